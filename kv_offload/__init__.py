@@ -1,0 +1,55 @@
+"""kv-offload: offload the KV cache of LLM serving engines to host memory and disk."""
+
+from kv_offload import builtin_rules as _builtin_rules  # noqa: F401  (registers built-in specs)
+from kv_offload.canonical import CanonicalKVCaches, CanonicalRef, CanonicalTensor, canonicalize
+from kv_offload.errors import (
+    CanonicalizationError,
+    ConfigError,
+    KVOffloadError,
+    RegistryError,
+    SpecError,
+    SpecMergeError,
+    UnregisteredSpecError,
+)
+from kv_offload.registry import KVCacheSpecRegistry, default_registry, register_kv_cache_spec
+from kv_offload.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+__all__ = [
+    "AttentionSpec",
+    "CanonicalKVCaches",
+    "CanonicalRef",
+    "CanonicalTensor",
+    "CanonicalizationError",
+    "ChunkedLocalAttentionSpec",
+    "ConfigError",
+    "CrossAttentionSpec",
+    "FullAttentionSpec",
+    "KVCacheGroup",
+    "KVCacheSpec",
+    "KVCacheSpecRegistry",
+    "KVOffloadError",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "RegistryError",
+    "SinkFullAttentionSpec",
+    "SlidingWindowSpec",
+    "SpecError",
+    "SpecMergeError",
+    "UniformTypeKVCacheSpecs",
+    "UnregisteredSpecError",
+    "canonicalize",
+    "default_registry",
+    "register_kv_cache_spec",
+]

@@ -1,0 +1,29 @@
+"""The typed errors of kv-offload. Each message names what was wrong and what was expected."""
+
+
+class KVOffloadError(Exception):
+    """Base class of every error this library raises on bad input."""
+
+
+class SpecError(KVOffloadError, ValueError):
+    """A KV-cache spec with impossible values (e.g. padding smaller than the page)."""
+
+
+class SpecMergeError(SpecError):
+    """Layers of one cache group whose specs disagree."""
+
+
+class RegistryError(KVOffloadError, ValueError):
+    """A registration that conflicts with an earlier one or is malformed."""
+
+
+class UnregisteredSpecError(RegistryError, LookupError):
+    """A spec type (and no base class of it) has rules in the registry."""
+
+
+class CanonicalizationError(KVOffloadError, ValueError):
+    """An engine cache layout that cannot be proven to map onto canonical pages."""
+
+
+class ConfigError(KVOffloadError, ValueError):
+    """A bad configuration key, type or value."""
