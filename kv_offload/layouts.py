@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
 from kv_offload.errors import CanonicalizationError
 from kv_offload.specs import AttentionSpec, KVCacheSpec, MambaSpec
 
-CacheInput = Union[torch.Tensor, Sequence[torch.Tensor]]
+CacheInput = torch.Tensor | Sequence[torch.Tensor]
 
 
 @dataclass(frozen=True)
