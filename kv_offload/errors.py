@@ -27,3 +27,15 @@ class CanonicalizationError(KVOffloadError, ValueError):
 
 class ConfigError(KVOffloadError, ValueError):
     """A bad configuration key, type or value."""
+
+
+class TierRequestError(KVOffloadError, ValueError):
+    """Keys or host buffers handed to a storage tier that break its contract."""
+
+
+class TierClosedError(KVOffloadError, RuntimeError):
+    """A job submitted to a storage tier after it was closed."""
+
+
+class TierRootError(KVOffloadError, OSError):
+    """A storage tier root directory that cannot be used (not a directory, not writable...)."""
