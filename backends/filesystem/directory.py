@@ -1,0 +1,103 @@
+"""The tier's directory: checking the root at start, scanning it, sweeping temporary files.
+
+A scan lists file names and sizes only (one ``stat`` per file, no file is opened): the name
+encodes the key, and each header is validated when the file is read. Temporary files left by a
+writer that died are removed: at once when the writer was a process on this host that no longer
+exists, after ``stale_temp_s`` seconds when it ran on another host (shared filesystems), since
+a live writer elsewhere may still be about to rename it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from kv_offload.backends.filesystem.fileformat import (
+    fanout_dir_name,
+    key_from_file_name,
+    layout_dir_name,
+    parse_temp_file_name,
+    temp_file_name,
+)
+from kv_offload.backends.filesystem.index import ScannedFile
+from kv_offload.backends.filesystem.io_engine import probe_direct_io, unlink_quietly
+from kv_offload.errors import TierRootError
+
+_HEX = "0123456789abcdef"
+FANOUT_DIRS = [a + b for a in _HEX for b in _HEX]
+
+
+def prepare_layout_dir(root_dir: str, fingerprint: str, host: str) -> tuple[str, bool]:
+    """Create ``<root>/<layout dir>/<fan-out dirs>`` and check that files can be written there.
+
+    Returns (layout dir, whether O_DIRECT works there). Raises ``TierRootError`` naming the root
+    and the reason when it is not a usable, writable directory.
+    """
+    root = os.path.abspath(root_dir)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise TierRootError(
+            errno.ENOTDIR, f"fs_root_dir {root!r} is not a directory; expected a directory"
+        )
+    layout_dir = os.path.join(root, layout_dir_name(fingerprint))
+    try:
+        for fanout in FANOUT_DIRS:
+            os.makedirs(os.path.join(layout_dir, fanout), exist_ok=True)
+        probe = os.path.join(layout_dir, temp_file_name(os.getpid(), "probe", host))
+        direct = probe_direct_io(probe)
+    except OSError as e:
+        raise TierRootError(
+            e.errno,
+            f"fs_root_dir {root!r} is not usable: {e.strerror or e} ({e.filename or layout_dir}); "
+            f"expected a directory where this process can create and write files",
+        ) from e
+    return layout_dir, direct
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_stale_temp(name: str, mtime: float, host: str, stale_temp_s: float, now: float) -> bool:
+    owner = parse_temp_file_name(name)
+    if owner is None:
+        return False
+    pid, owner_host = owner
+    if owner_host == host and pid != os.getpid() and not _pid_alive(pid):
+        return True
+    return now - mtime > stale_temp_s
+
+
+def scan_layout_dir(
+    layout_dir: str, host: str, stale_temp_s: float
+) -> tuple[list[ScannedFile], int]:
+    """List the final files of a layout directory and sweep stale temporary files.
+
+    Returns (files found, temporary files removed). Files that vanish mid-scan are skipped.
+    """
+    files: list[ScannedFile] = []
+    swept = 0
+    now = time.time()
+    for fanout in FANOUT_DIRS:
+        try:
+            entries = list(os.scandir(os.path.join(layout_dir, fanout)))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            key = key_from_file_name(entry.name)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if key is not None:
+                if fanout_dir_name(key) == fanout and entry.is_file(follow_symlinks=False):
+                    files.append(ScannedFile(key, st.st_size, st.st_mtime))
+            elif _is_stale_temp(entry.name, st.st_mtime, host, stale_temp_s, now):
+                swept += unlink_quietly(entry.path)
+    return files, swept

@@ -1,0 +1,384 @@
+"""FilesystemTier: a persistent, checksummed, bounded disk tier behind the host-memory tier.
+
+- ``lookup`` answers from the in-memory index (no disk access).
+- Writes and reads run on a thread pool, one task per key, many files in flight. A write lands
+  under a temporary name and is renamed into place; a read fills the host buffer in place and
+  is served only if the header (format, layout fingerprint, key, size) and the xxh3 checksum
+  of the data match. A bad file is removed and reported as a failed key, never raised.
+- A byte budget with LRU eviction; a key being read is never evicted.
+- Sharing: several processes (one host, or many over NFS/Lustre/...) may use one directory.
+  Renames are atomic, deletes tolerate vanished files, and every ``rescan_interval_s`` seconds
+  a background scan adds keys written by others and drops keys deleted by others. A key
+  written elsewhere is therefore visible here within ``rescan_interval_s`` plus one scan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_offload.backends.filesystem.directory import prepare_layout_dir, scan_layout_dir
+from kv_offload.backends.filesystem.fileformat import (
+    FileFormatError,
+    build_header,
+    checksum,
+    data_offset,
+    parse_header,
+    relative_path,
+    temp_file_name,
+)
+from kv_offload.backends.filesystem.index import KeyIndex
+from kv_offload.backends.filesystem.io_engine import (
+    FileSizeMismatch,
+    IOEngine,
+    host_view,
+    read_head,
+    unlink_quietly,
+)
+from kv_offload.errors import ConfigError, TierClosedError
+from kv_offload.transfer import (
+    StorageTier,
+    TierJobResult,
+    check_tier_keys,
+    check_tier_request,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 100  # the key's hex is the file name; most filesystems allow 255 bytes
+
+
+@dataclass(frozen=True)
+class FilesystemTierConfig:
+    """Settings of a filesystem tier.
+
+    ``root_dir`` and ``bytes_to_use`` are ``fs_root_dir`` and ``fs_bytes_to_use`` of the
+    connector config. ``layout_fingerprint`` names the page layout of the model: files written
+    under another fingerprint are never served.
+    """
+
+    root_dir: str
+    layout_fingerprint: str
+    bytes_to_use: int
+    io_threads: int = 8
+    direct_io: bool = True  # use O_DIRECT where the filesystem supports it
+    fsync: bool = False  # fsync file and directory on every write (survive power loss)
+    rescan_interval_s: float = 5.0  # 0: never rescan (no other process shares the directory)
+    stale_temp_s: float = 600.0  # sweep another host's temporary files older than this
+
+    def __post_init__(self) -> None:
+        if isinstance(self.root_dir, os.PathLike):
+            object.__setattr__(self, "root_dir", os.fspath(self.root_dir))
+        if not isinstance(self.root_dir, str) or not self.root_dir:
+            raise ConfigError(f"fs_root_dir must be a non-empty path, got {self.root_dir!r}")
+        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
+            raise ConfigError(
+                f"layout_fingerprint must be a non-empty str, got {self.layout_fingerprint!r}"
+            )
+        for name in ("bytes_to_use", "io_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                label = "fs_bytes_to_use" if name == "bytes_to_use" else name
+                raise ConfigError(f"{label} must be a positive int, got {value!r}")
+        for name in ("rescan_interval_s", "stale_temp_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FilesystemTierStats:
+    """A snapshot of what the tier holds and what it did since it started."""
+
+    keys: int
+    bytes_used: int
+    bytes_budget: int
+    direct_io: bool
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> int:
+        """A counter by name (0 if it never happened), e.g. ``stats["write_failed"]``."""
+        return self.counts.get(name, 0)
+
+
+class _Job:
+    """A submitted job: per-key outcome, finished when no key is left pending."""
+
+    def __init__(self, job_id: int, keys: Sequence[bytes]) -> None:
+        self.job_id = job_id
+        self.keys = tuple(keys)
+        self.succeeded = [False] * len(keys)
+        self.pending = 0
+
+    def result(self) -> TierJobResult:
+        return TierJobResult(self.job_id, self.keys, tuple(self.succeeded))
+
+
+class FilesystemTier(StorageTier):
+    """A ``StorageTier`` that keeps one safetensors file per key in a directory."""
+
+    def __init__(self, config: FilesystemTierConfig) -> None:
+        self.config = config
+        self._host = socket.gethostname()
+        self._layout_dir, direct_ok = prepare_layout_dir(
+            config.root_dir, config.layout_fingerprint, self._host
+        )
+        self._io = IOEngine(direct=config.direct_io and direct_ok, fsync=config.fsync)
+        self._index = KeyIndex(config.bytes_to_use)
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()  # guards jobs, results and counts
+        self._results: deque[TierJobResult] = deque()
+        self._job_ids = itertools.count()
+        self._temp_token = secrets.token_hex(4)
+        self._temp_seq = itertools.count()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io")
+        self.rescan()
+        self._stop = threading.Event()
+        self._rescanner: threading.Thread | None = None
+        if config.rescan_interval_s > 0:
+            self._rescanner = threading.Thread(
+                target=self._rescan_loop, name="kv-fs-rescan", daemon=True
+            )
+            self._rescanner.start()
+
+    # -- the StorageTier interface -------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        check_tier_keys(keys)
+        return self._index.contains(list(keys))
+
+    def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        check_tier_request(keys, buffers, max_key_bytes=MAX_KEY_BYTES)
+        job, tasks = self._new_job(keys), []
+        for i, (key, buf) in enumerate(zip(keys, buffers)):
+            if self._index.touch(key):  # same key, same bytes: already stored
+                job.succeeded[i] = True
+                self._count("write_skipped_present")
+                continue
+            size = data_offset(key, self.config.layout_fingerprint, buf.numel()) + buf.numel()
+            victims = self._index.reserve(size)
+            if victims is None:
+                self._count("write_failed", "write_failed_budget")
+                continue
+            tasks.append((self._write_one, job, i, key, buf, size, victims))
+        return self._start(job, tasks)
+
+    def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        check_tier_request(keys, buffers, max_key_bytes=MAX_KEY_BYTES)
+        job, tasks = self._new_job(keys), []
+        for i, (key, buf) in enumerate(zip(keys, buffers)):
+            if self._index.begin_read(key) is None:
+                self._count("read_failed", "read_failed_absent")
+                continue
+            tasks.append((self._read_one, job, i, key, buf))
+        return self._start(job, tasks)
+
+    def poll(self) -> list[TierJobResult]:
+        with self._lock:
+            done = list(self._results)
+            self._results.clear()
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join()
+        self._pool.shutdown(wait=True)
+
+    # -- beyond the interface --------------------------------------------------------------
+
+    def stats(self) -> FilesystemTierStats:
+        """Keys, bytes and counters (writes, failures by reason, evictions, bad files...)."""
+        with self._lock:
+            counts = dict(self._counts)
+        return FilesystemTierStats(
+            len(self._index),
+            self._index.used_bytes,
+            self.config.bytes_to_use,
+            self._io.direct,
+            counts,
+        )
+
+    def file_path(self, key: bytes) -> str:
+        """Where the file of ``key`` lives (whether or not it exists)."""
+        return os.path.join(self._layout_dir, relative_path(key))
+
+    def rescan(self) -> None:
+        """Scan the directory now: adopt others' keys, drop vanished ones, sweep, evict."""
+        generation = self._index.start_scan()
+        files, swept = scan_layout_dir(self._layout_dir, self._host, self.config.stale_temp_s)
+        added, dropped = self._index.merge_scan(files, generation)
+        self._delete(self._index.evict_to_budget())
+        self._count("rescans")
+        self._count("temp_files_swept", n=swept)
+        self._count("keys_adopted", n=added)
+        self._count("keys_vanished", n=dropped)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _count(self, *names: str, n: int = 1) -> None:
+        with self._lock:
+            for name in names:
+                self._counts[name] += n
+
+    def _new_job(self, keys: Sequence[bytes]) -> _Job:
+        with self._lock:
+            if self._closed:
+                raise TierClosedError("this FilesystemTier is closed; submit jobs before close()")
+            return _Job(next(self._job_ids), keys)
+
+    def _start(self, job: _Job, tasks: list[tuple]) -> int:
+        job.pending = len(tasks)
+        with self._lock:  # no close() between the check and the hand-over to the pool
+            if self._closed:
+                raise TierClosedError("this FilesystemTier was closed while a job was submitted")
+            if not tasks:
+                self._results.append(job.result())
+            for fn, *args in tasks:
+                self._pool.submit(fn, *args)
+        return job.job_id
+
+    def _key_done(self, job: _Job, i: int, ok: bool) -> None:
+        with self._lock:
+            job.succeeded[i] = ok
+            job.pending -= 1
+            if job.pending == 0:
+                self._results.append(job.result())
+
+    def _delete(self, keys: list[bytes]) -> None:
+        for key in keys:
+            unlink_quietly(self.file_path(key))  # another process may have removed it already
+        self._count("evictions", n=len(keys))
+
+    def _write_one(
+        self, job: _Job, i: int, key: bytes, buf: torch.Tensor, size: int, victims: list[bytes]
+    ) -> None:
+        ok = False
+        try:
+            self._delete(victims)
+            header = build_header(
+                key, self.config.layout_fingerprint, buf.numel(), checksum(host_view(buf))
+            )
+            final = self.file_path(key)
+            for attempt in (0, 1):
+                temp = os.path.join(
+                    os.path.dirname(final),
+                    temp_file_name(
+                        os.getpid(), f"{self._temp_token}-{next(self._temp_seq)}", self._host
+                    ),
+                )
+                try:
+                    self._io.write_new(temp, final, header, buf)
+                    break
+                except FileNotFoundError:  # the fan-out directory was removed: recreate it
+                    if attempt:
+                        raise
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+            self._index.commit(key, size, size)
+            ok = True
+            self._count("write_ok")
+            self._count("bytes_written", n=size)
+        except OSError as e:
+            name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
+            self._count("write_failed", f"write_failed_{name}")
+            logger.warning("kv-offload: write of key %s failed: %s", key.hex(), e)
+        except Exception:
+            self._count("write_failed", "write_failed_bug")
+            logger.exception("kv-offload: unexpected error writing key %s", key.hex())
+        finally:
+            if not ok:
+                self._index.release(size)
+            self._key_done(job, i, ok)
+
+    def _read_one(self, job: _Job, i: int, key: bytes, buf: torch.Tensor) -> None:
+        ok = False
+        path = self.file_path(key)
+        try:
+            ok = self._read_checked(key, path, buf)
+        except FileNotFoundError:
+            self._index.remove(key)  # deleted by another process
+            self._count("read_failed", "read_failed_vanished")
+        except OSError as e:
+            self._count("read_failed", "read_failed_io")
+            logger.warning("kv-offload: read of key %s failed: %s", key.hex(), e)
+        except Exception:
+            self._count("read_failed", "read_failed_bug")
+            logger.exception("kv-offload: unexpected error reading key %s", key.hex())
+        finally:
+            self._index.end_read(key)
+            self._key_done(job, i, ok)
+
+    def _read_checked(self, key: bytes, path: str, buf: torch.Tensor) -> bool:
+        fingerprint = self.config.layout_fingerprint
+        try:
+            head = self._io.read(path, data_offset(key, fingerprint, buf.numel()), buf)
+        except FileSizeMismatch as e:
+            return self._size_mismatch(key, path, buf.numel(), e.actual)
+        try:
+            info = parse_header(head)
+        except FileFormatError as e:
+            return self._discard(key, path, f"bad header: {e}")
+        if info.fingerprint != fingerprint:
+            return self._discard(key, path, f"foreign layout {info.fingerprint!r}")
+        if info.key_hex != key.hex() or info.data_len != buf.numel():
+            return self._discard(key, path, f"header names key {info.key_hex}")
+        if checksum(host_view(buf)) != info.checksum:
+            return self._discard(key, path, "checksum mismatch")
+        self._index.touch(key)
+        with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
+            os.utime(path)
+        self._count("read_ok")
+        self._count("bytes_read", n=info.data_offset + info.data_len)
+        return True
+
+    def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:
+        """A file whose size does not fit the buffer: a caller mistake, or a damaged file."""
+        try:
+            info = parse_header(read_head(path))
+        except FileFormatError as e:
+            return self._discard(key, path, f"bad header: {e}")
+        intact = (
+            info.key_hex == key.hex()
+            and info.fingerprint == self.config.layout_fingerprint
+            and actual == info.data_offset + info.data_len
+        )
+        if not intact:
+            return self._discard(key, path, f"size {actual} bytes disagrees with its header")
+        self._count("read_failed", "read_failed_buffer_size")
+        logger.warning(
+            "kv-offload: key %s holds %d bytes but the read buffer has %d; not served",
+            key.hex(), info.data_len, wanted,
+        )
+        return False
+
+    def _discard(self, key: bytes, path: str, reason: str) -> bool:
+        """Report a bad file: forget the key and remove the file so it is never read again."""
+        self._index.remove(key)
+        unlink_quietly(path)
+        self._count("read_failed", "bad_files_removed")
+        logger.warning("kv-offload: removed bad file %s (key %s): %s", path, key.hex(), reason)
+        return False
+
+    def _rescan_loop(self) -> None:
+        while not self._stop.wait(self.config.rescan_interval_s):
+            try:
+                self.rescan()
+            except Exception:  # a flaky shared filesystem must not kill the thread
+                logger.exception("kv-offload: rescan of %s failed", self._layout_dir)
