@@ -11,6 +11,7 @@ from kv_offload.errors import (
     SpecMergeError,
     UnregisteredSpecError,
 )
+from kv_offload.hits import CacheHit, find_longest_cache_hit
 from kv_offload.registry import KVCacheSpecRegistry, default_registry, register_kv_cache_spec
 from kv_offload.specs import (
     AttentionSpec,
@@ -28,6 +29,7 @@ from kv_offload.specs import (
 
 __all__ = [
     "AttentionSpec",
+    "CacheHit",
     "CanonicalKVCaches",
     "CanonicalRef",
     "CanonicalTensor",
@@ -51,5 +53,6 @@ __all__ = [
     "UnregisteredSpecError",
     "canonicalize",
     "default_registry",
+    "find_longest_cache_hit",
     "register_kv_cache_spec",
 ]

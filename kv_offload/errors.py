@@ -39,3 +39,17 @@ class TierClosedError(KVOffloadError, RuntimeError):
 
 class TierRootError(KVOffloadError, OSError):
     """A storage tier root directory that cannot be used (not a directory, not writable...)."""
+
+
+class HitLookupError(KVOffloadError, ValueError):
+    """Bad input to a cache-hit lookup, or a hit rule that answered out of range."""
+
+
+class OffloadStateError(KVOffloadError, RuntimeError):
+    """An offload-manager call that does not fit a key's state (e.g. completing
+    a load that was never prepared, or completing a store twice)."""
+
+
+class EvictionPolicyError(ConfigError):
+    """An unknown eviction policy name, a bad import path, or a policy that
+    broke its contract."""

@@ -7,6 +7,8 @@ A rule answers two questions for a group with its own block size:
   the layer needs back (a sliding window needs only its window, Mamba only the
   last state), so nothing more is read than the engine can use.
 Rules are looked up through the registry, so an out-of-tree spec brings its own.
+A rule may set `downward_closed = True` when every shorter prefix of a hit is
+also a hit (full attention); `hits.find_longest_cache_hit` then asks it once.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class HitRule(Protocol):
 
 class FullAttentionHit:
     """Every token is attended: the longest run of cached blocks from block 0."""
+
+    # Every prefix of a hit is a hit: a lookup may trim the answer instead of asking again.
+    downward_closed = True
 
     def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
         n = 0
@@ -106,6 +111,8 @@ class MambaHit:
 
 class NoPrefixHit:
     """Cross attention caches encoder output, which no prompt prefix determines."""
+
+    downward_closed = True
 
     def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
         return 0

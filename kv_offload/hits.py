@@ -1,0 +1,193 @@
+"""Cache hits over N KV-cache groups, and which blocks are worth storing.
+
+Each group has its own spec and block size; its hit rule (from the registry, so
+an out-of-tree spec brings its own) says which hit lengths it accepts given
+which of its blocks are cached. `find_longest_cache_hit` finds the longest
+length L that every group accepts, and for each group exactly the blocks it
+must load at L.
+
+Why the fixed point is the maximum (not just *a* common hit). Write A_g for the
+lengths group g accepts and lcm for the lcm of the block sizes. A group's
+acceptance set need not be downward closed (a sliding window accepts L when the
+window before L is cached, yet may reject a shorter L' whose window is not).
+The search keeps a candidate C, starting at max_length rounded down to lcm,
+and lowers it to each group's answer max(A_g ∩ [0, C]), rounded down to lcm,
+until every group answers C itself. If L* is the largest common, lcm-aligned
+accepted length, then C >= L* holds throughout: L* is in A_g ∩ [0, C], so the
+answer is >= L*, and rounding down to lcm keeps it >= L*. At the end C is
+accepted by all, so C = L*. The argument needs each rule's `longest_hit` to be
+*exact* (the largest accepted length under the bound, not merely an accepted
+one); the built-in rules are. A rule that only returns some accepted length
+still yields a valid hit, possibly shorter. vLLM's coordinator uses the same
+iteration (it aligns inside each group; we round between groups: same result).
+
+Cost. `is_cached` dominates. A rule that declares `downward_closed = True`
+(full attention: every prefix of a hit is a hit) is asked once and trimmed
+afterwards, as vLLM does for full attention; other groups are asked again only
+when the candidate drops below their last answer, and their `is_cached` answers
+are memoised so a block is never queried twice. Groups are asked in that order
+(downward-closed first), so a short full-attention prefix bounds the scans of
+the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from math import lcm
+
+from kv_offload.errors import HitLookupError, SpecError
+from kv_offload.hit_rules import HitRule
+from kv_offload.registry import KVCacheSpecRegistry, default_registry
+from kv_offload.specs import KVCacheSpec, UniformTypeKVCacheSpecs
+
+IsCached = Callable[[int, int], bool]
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """`num_tokens` tokens can be skipped; group g loads its blocks `blocks[g]`
+    (indices in group g's own block size; a window or one state, not a prefix,
+    for sliding-window and Mamba groups)."""
+
+    num_tokens: int
+    blocks: list[list[int]]
+
+
+def find_longest_cache_hit(
+    specs: Sequence[KVCacheSpec],
+    is_cached: IsCached,
+    max_length: int,
+    *,
+    registry: KVCacheSpecRegistry | None = None,
+) -> CacheHit:
+    """The longest hit <= `max_length` tokens that every group accepts.
+
+    `is_cached(g, i)` says whether block i of group g (in group g's block size)
+    is available. The result is a multiple of every group's block size. The
+    caller bounds `max_length` (vLLM: at most the prompt length - 1, so that
+    one token is always computed)."""
+    if not specs:
+        raise SpecError("find_longest_cache_hit needs at least one KV-cache group spec")
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 0:
+        raise HitLookupError(f"max_length must be an int >= 0, got {max_length!r}")
+    groups = [_GroupLookup(g, spec, is_cached, registry or default_registry)
+              for g, spec in enumerate(specs)]
+    align = lcm(*(group.block_size for group in groups))
+    candidate = max_length // align * align
+    # Downward-closed rules first: one scan each, and they bound the others.
+    order = sorted(groups, key=lambda group: not group.downward_closed)
+    settled = False
+    while not settled:
+        settled = True
+        for group in order:
+            answer = group.answer(candidate)
+            if answer != candidate:
+                candidate = answer // align * align
+                settled = False
+    blocks = [list(group.rule.blocks_to_load(group.spec, candidate // group.block_size))
+              for group in groups]
+    return CacheHit(candidate, blocks)
+
+
+class _GroupLookup:
+    """One group's view during a lookup: its rule and its last answer (tokens)."""
+
+    def __init__(self, index: int, spec: KVCacheSpec, is_cached: IsCached,
+                 registry: KVCacheSpecRegistry) -> None:
+        self.index = index
+        self.spec = _rule_spec(spec)
+        self.block_size = spec.block_size
+        self.rule: HitRule = registry.rules_for(self.spec).hit_rule
+        self.downward_closed = bool(getattr(self.rule, "downward_closed", False))
+        # A downward-closed rule is asked at most once, so it needs no memo.
+        raw = partial(is_cached, index)
+        self.is_cached = raw if self.downward_closed else _memoised(raw)
+        self.last: int | None = None
+
+    def answer(self, candidate: int) -> int:
+        """Largest accepted length <= candidate (tokens), asking the rule only
+        when the last answer does not settle it."""
+        if self.last is not None and (self.last == candidate or (
+                self.last > candidate and self.downward_closed)):
+            self.last = candidate
+            return candidate
+        max_blocks = candidate // self.block_size
+        blocks = self.rule.longest_hit(self.spec, self.is_cached, max_blocks)
+        if not isinstance(blocks, int) or not 0 <= blocks <= max_blocks:
+            raise HitLookupError(
+                f"hit rule {type(self.rule).__name__} of group {self.index} "
+                f"({type(self.spec).__name__}) returned {blocks!r}; expected an int in "
+                f"[0, {max_blocks}]"
+            )
+        self.last = blocks * self.block_size
+        return self.last
+
+
+def _memoised(is_cached: Callable[[int], bool]) -> Callable[[int], bool]:
+    seen: dict[int, bool] = {}
+
+    def cached(block: int) -> bool:
+        hit = seen.get(block)
+        if hit is None:
+            hit = seen[block] = bool(is_cached(block))
+        return hit
+
+    return cached
+
+
+def _rule_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec whose rule decides hits: a uniform-type group follows its layers,
+    which share one type and one window (the registry's uniform key)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
+def blocks_worth_storing(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    *,
+    alignment_tokens: int | None = None,
+    registry: KVCacheSpecRegistry | None = None,
+) -> list[int]:
+    """Indices among a request's first `num_blocks` blocks (of this group) that
+    some future hit could load, in increasing order.
+
+    A hit can only end on a multiple of `alignment_tokens` (the lcm of all
+    groups' block sizes, as `find_longest_cache_hit` returns; default: this
+    group's block size). The result is the union, over those hit points n
+    <= num_blocks, of the blocks the rule loads at n: everything for full
+    attention, nothing for cross attention, the windows that end on a hit point
+    for sliding window (blocks far from every hit point are dropped), the last
+    block before each hit point for Mamba. The caller still skips blocks the
+    engine has already freed (vLLM nulls sliding-window blocks outside the
+    window and Mamba blocks without a state), whose bytes are gone."""
+    if not isinstance(num_blocks, int) or num_blocks < 0:
+        raise HitLookupError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+    block_size = spec.block_size
+    align = block_size if alignment_tokens is None else alignment_tokens
+    if not isinstance(align, int) or align <= 0 or align % block_size:
+        raise HitLookupError(
+            f"alignment_tokens must be a positive multiple of the block size "
+            f"{block_size}, got {alignment_tokens!r}"
+        )
+    rule_spec = _rule_spec(spec)
+    rule = (registry or default_registry).rules_for(rule_spec).hit_rule
+    step = align // block_size
+    spans: list[tuple[int, int]] = []
+    for hit_point in range(step, num_blocks + 1, step):
+        blocks = rule.blocks_to_load(rule_spec, hit_point)
+        if isinstance(blocks, range) and blocks.step == 1:
+            spans.append((blocks.start, blocks.stop))
+        else:  # an out-of-tree rule may skip blocks
+            spans.extend((b, b + 1) for b in blocks)
+    worth: list[int] = []
+    covered = 0  # blocks below this index are decided
+    for start, stop in sorted(spans):
+        start, stop = max(start, covered, 0), min(stop, num_blocks)
+        if start < stop:
+            worth.extend(range(start, stop))
+            covered = stop
+    return worth
