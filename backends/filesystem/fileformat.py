@@ -116,6 +116,21 @@ def parse_header(head: bytes | memoryview) -> HeaderInfo:
     return HeaderInfo(key_hex, fingerprint, data_len, digest, len(expected))
 
 
+def check_header(head: bytes | memoryview, key: bytes, fingerprint: str, data_len: int) -> str:
+    """The checksum a header promises for the data, if it is this key's header for this layout.
+
+    Raises ``FileFormatError`` naming what differs (foreign layout, other key, other size).
+    """
+    info = parse_header(head)
+    if info.fingerprint != fingerprint:
+        raise FileFormatError(f"foreign layout fingerprint {info.fingerprint!r}")
+    if info.key_hex != key.hex():
+        raise FileFormatError(f"header names key {info.key_hex}")
+    if info.data_len != data_len:
+        raise FileFormatError(f"header says {info.data_len} data bytes, expected {data_len}")
+    return info.checksum
+
+
 def layout_dir_name(fingerprint: str) -> str:
     """The directory that holds the files of one layout (and one format version)."""
     return f"kv-v{FORMAT_VERSION}-{xxhash.xxh3_64_hexdigest(fingerprint.encode())}"

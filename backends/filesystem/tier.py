@@ -33,6 +33,7 @@ from kv_offload.backends.filesystem.directory import prepare_layout_dir, scan_la
 from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
     build_header,
+    check_header,
     checksum,
     data_offset,
     parse_header,
@@ -332,20 +333,16 @@ class FilesystemTier(StorageTier):
         except FileSizeMismatch as e:
             return self._size_mismatch(key, path, buf.numel(), e.actual)
         try:
-            info = parse_header(head)
+            expected_digest = check_header(head, key, fingerprint, buf.numel())
         except FileFormatError as e:
             return self._discard(key, path, f"bad header: {e}")
-        if info.fingerprint != fingerprint:
-            return self._discard(key, path, f"foreign layout {info.fingerprint!r}")
-        if info.key_hex != key.hex() or info.data_len != buf.numel():
-            return self._discard(key, path, f"header names key {info.key_hex}")
-        if checksum(host_view(buf)) != info.checksum:
+        if checksum(host_view(buf)) != expected_digest:
             return self._discard(key, path, "checksum mismatch")
         self._index.touch(key)
         with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
             os.utime(path)
         self._count("read_ok")
-        self._count("bytes_read", n=info.data_offset + info.data_len)
+        self._count("bytes_read", n=len(head) + buf.numel())
         return True
 
     def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:

@@ -7,15 +7,14 @@ and the filesystem tier (with O_DIRECT where the disk supports it, and buffered)
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
 from third_party_tier import DictTier
+from tier_helpers import random_bytes, read, wait, write
 
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig, aligned_host_buffer
 from kv_offload.errors import TierClosedError, TierRequestError
-from kv_offload.transfer import StorageTier, TierJobResult
 
 TIER_FACTORIES = {
     "dict": lambda root: DictTier(),
@@ -37,34 +36,6 @@ def tier(request, tmp_path):
     made = TIER_FACTORIES[request.param](tmp_path / "tier")
     yield made
     made.close()
-
-
-def random_bytes(n: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-
-
-def wait(tier: StorageTier, job_ids: list[int], timeout: float = 20.0) -> dict[int, TierJobResult]:
-    """Poll until every job id came back; fail on a duplicate or an unknown id."""
-    results: dict[int, TierJobResult] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < len(job_ids):
-        for result in tier.poll():
-            assert result.job_id in job_ids and result.job_id not in results
-            results[result.job_id] = result
-        assert time.monotonic() < deadline, f"jobs {set(job_ids) - set(results)} never finished"
-        time.sleep(0.002)
-    return results
-
-
-def write(tier: StorageTier, keys: list[bytes], bufs: list[torch.Tensor]) -> TierJobResult:
-    job = tier.submit_write(keys, bufs)
-    return wait(tier, [job])[job]
-
-
-def read(tier: StorageTier, keys: list[bytes], bufs: list[torch.Tensor]) -> TierJobResult:
-    job = tier.submit_read(keys, bufs)
-    return wait(tier, [job])[job]
 
 
 def test_roundtrip_is_bit_exact_into_aligned_and_offset_views(tier):

@@ -1,0 +1,103 @@
+"""Helpers shared by the storage-tier tests, and a child-process entry point for them.
+
+``python tier_helpers.py <command> ...`` runs one side of a multi-process test (writer, reader,
+writer killed mid-loop, writer under a file-size limit) in a genuinely separate process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kv_offload.transfer import StorageTier, TierJobResult
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    """``n`` reproducible pseudo-random bytes (the same in every process)."""
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+
+def chunk(index: int, size: int, variant: int = 0) -> tuple[bytes, torch.Tensor]:
+    """Key and data of chunk ``index``; ``variant`` gives other bytes for the same key."""
+    return f"chunk-{index}".encode(), random_bytes(size, index * 1000 + variant)
+
+
+def wait(tier: StorageTier, job_ids: list[int], timeout: float = 30.0) -> dict[int, TierJobResult]:
+    """Poll until every job id came back; fail on a duplicate or an unknown id."""
+    results: dict[int, TierJobResult] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(job_ids):
+        for result in tier.poll():
+            assert result.job_id in job_ids and result.job_id not in results
+            results[result.job_id] = result
+        assert time.monotonic() < deadline, f"jobs {set(job_ids) - set(results)} never finished"
+        time.sleep(0.002)
+    return results
+
+
+def write(tier: StorageTier, keys: list[bytes], bufs: list[torch.Tensor]) -> TierJobResult:
+    job = tier.submit_write(keys, bufs)
+    return wait(tier, [job])[job]
+
+
+def read(tier: StorageTier, keys: list[bytes], bufs: list[torch.Tensor]) -> TierJobResult:
+    job = tier.submit_read(keys, bufs)
+    return wait(tier, [job])[job]
+
+
+def temp_files(root: str) -> list[str]:
+    """Temporary files of the filesystem tier anywhere under ``root``."""
+    return [
+        os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.startswith(".tmp.")
+    ]
+
+
+def child_command(*args: object) -> list[str]:
+    return [sys.executable, os.path.join(HERE, "tier_helpers.py"), *map(str, args)]
+
+
+def _main(argv: list[str]) -> None:
+    from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+
+    command, root, fingerprint, first, count, size, variant = argv[:7]
+    first, count, size, variant = int(first), int(count), int(size), int(variant)
+    budget = int(argv[7]) if len(argv) > 7 else 1 << 34
+    if command == "write-fsize-limited":
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 8192, size + 8192))
+    tier = FilesystemTier(FilesystemTierConfig(root, fingerprint, budget, rescan_interval_s=0))
+    report: dict = {"ok": [], "failed": []}
+    if command in ("write", "write-fsize-limited"):
+        for i in range(first, first + count):
+            n = size * 4 if command == "write-fsize-limited" and i % 2 else size
+            key, data = chunk(i, n, variant)
+            result = write(tier, [key], [data])
+            report["ok" if result.ok else "failed"].append(i)
+    elif command == "write-forever":  # until killed: one line per confirmed key
+        for i in range(first, 10**9):
+            key, data = chunk(i, size, variant)
+            if write(tier, [key], [data]).ok:
+                print(i, flush=True)
+    elif command == "read":
+        for i in range(first, first + count):
+            key, expected = chunk(i, size, variant)
+            out = torch.empty(size, dtype=torch.uint8)
+            good = read(tier, [key], [out]).ok and torch.equal(out, expected)
+            report["ok" if good else "failed"].append(i)
+    report["counts"] = tier.stats().counts
+    tier.close()
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
