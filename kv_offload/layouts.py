@@ -138,7 +138,7 @@ def attention_layout(
             candidates.append(parts)
         except CanonicalizationError as exc:
             errors.append(str(exc))
-    if len(candidates) == 2 and _same_runs(candidates[0], candidates[1]):
+    if len(candidates) == 2 and _same_runs(candidates[0], candidates[1], num_blocks):
         candidates.pop()  # e.g. one block: "K then V" is the packed page itself
     if len(candidates) == 1:
         return candidates[0]
@@ -148,11 +148,11 @@ def attention_layout(
                "index (num_blocks == 2?); refusing to guess")
 
 
-def _same_runs(packed: list[LayerPages], split: list[LayerPages]) -> bool:
+def _same_runs(packed: list[LayerPages], split: list[LayerPages], num_blocks: int) -> bool:
     """Whether split K/V pages cover exactly the bytes of the packed page."""
     (page,), (k, v) = packed, split
-    return (k.offset == page.offset and v.offset == k.offset + k.nbytes
-            and page.block_stride == k.block_stride == v.block_stride)
+    same_stride = num_blocks == 1 or page.block_stride == k.block_stride == v.block_stride
+    return k.offset == page.offset and v.offset == k.offset + k.nbytes and same_stride
 
 
 def mamba_layout(
