@@ -53,3 +53,7 @@ class OffloadStateError(KVOffloadError, RuntimeError):
 class EvictionPolicyError(ConfigError):
     """An unknown eviction policy name, a bad import path, or a policy that
     broke its contract."""
+
+
+class TransferError(KVOffloadError, ValueError):
+    """A copy request with bad block or slot ids, or for a backend that cannot take it."""
