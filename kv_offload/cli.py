@@ -1,0 +1,36 @@
+"""The `kv-offload` command: `inspect` the canonical view, `bench` the backends."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv-offload", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from kv_offload.inspect_cmd import add_inspect_arguments, run_inspect
+
+    inspect = commands.add_parser("inspect", help="canonicalise the example models, show pages")
+    add_inspect_arguments(inspect)
+    inspect.set_defaults(run=run_inspect)
+
+    try:
+        from kv_offload.bench import add_bench_arguments, run_bench
+    except ImportError:  # the benchmark module is optional while it is being built
+        add_bench_arguments = run_bench = None
+    if add_bench_arguments is not None:
+        bench = commands.add_parser("bench", help="measure store/load throughput of a backend")
+        add_bench_arguments(bench)
+        bench.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
