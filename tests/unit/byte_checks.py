@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kv_offload import CanonicalKVCaches, KVCacheGroup
+from kv_offload import CanonicalKVCaches, KVCacheGroup, canonicalize
 
 
 def byte_offsets(view: torch.Tensor) -> np.ndarray:
@@ -144,3 +144,16 @@ def assert_tensors_disjoint(canonical: CanonicalKVCaches) -> None:
         byte_offsets(t.tensor) + t.tensor.untyped_storage().data_ptr() for t in canonical.tensors
     ])
     assert np.unique(addresses).size == addresses.size, "canonical tensors overlap"
+
+
+def canonicalize_and_check(kv_caches, groups, num_blocks: int, sample: int | None = None):
+    """Canonicalise, then prove the mapping both ways on the real bytes (on
+    `sample` layers per group for the full-size example models)."""
+    fill_pattern(kv_caches, groups, num_blocks, sample)
+    canonical = canonicalize(kv_caches, groups, num_blocks)
+    assert_canonical_matches(canonical, kv_caches, groups, sample)
+    assert_writes_stay_in_block(canonical, kv_caches, groups, sample)
+    assert_tensors_disjoint(canonical)
+    for t in canonical.tensors:
+        assert t.tensor.dtype == torch.int8 and t.tensor.shape == (num_blocks, t.page_size_bytes)
+    return canonical

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from byte_checks import (
-    assert_canonical_matches,
-    assert_tensors_disjoint,
-    assert_writes_stay_in_block,
-    fill_pattern,
-)
+from byte_checks import canonicalize_and_check
 
 from kv_offload import (
     CanonicalizationError,
@@ -32,17 +27,7 @@ from kv_offload.example_models import build_example, group_layers
 ATTN = dict(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
 
 
-def check(kv_caches, groups, num_blocks, sample=None):
-    """Canonicalise, then prove the mapping both ways on the real bytes (on
-    `sample` layers per group for the full-size example models)."""
-    fill_pattern(kv_caches, groups, num_blocks, sample)
-    canonical = canonicalize(kv_caches, groups, num_blocks)
-    assert_canonical_matches(canonical, kv_caches, groups, sample)
-    assert_writes_stay_in_block(canonical, kv_caches, groups, sample)
-    assert_tensors_disjoint(canonical)
-    for t in canonical.tensors:
-        assert t.tensor.dtype == torch.int8 and t.tensor.shape == (num_blocks, t.page_size_bytes)
-    return canonical
+check = canonicalize_and_check
 
 
 def names(prefix, n):
