@@ -112,9 +112,11 @@ def allocate_kv_caches(
     """One int8 buffer and a per-layer view for every layer of every group."""
     size, placements = plan_placements(groups, num_blocks, layout)
     buffer = torch.zeros(size, dtype=torch.int8, device=device)
+    block_outer = LAYOUTS[layout][0] == 1
     kernel_of = {}
     for g, group in enumerate(groups):
-        kernel = kernel_block_sizes[g] if kernel_block_sizes else None
+        # vLLM never splits the blocks of a block-outer layout (other layers sit between them).
+        kernel = kernel_block_sizes[g] if kernel_block_sizes and not block_outer else None
         kernel_of.update((name, kernel) for name in group.layer_names)
     caches: dict[str, torch.Tensor] = {}
     for p in placements:

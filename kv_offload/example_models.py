@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_offload.engine_alloc import LAYOUTS, allocate_kv_caches
+from kv_offload.engine_alloc import allocate_kv_caches
 from kv_offload.errors import SpecMergeError
 from kv_offload.specs import (
     FullAttentionSpec,
@@ -129,8 +129,6 @@ def build_example(
         raise KeyError(f"unknown example model {name!r}; choose from {sorted(EXAMPLE_MODELS)}")
     groups = group_layers(EXAMPLE_MODELS[name]())
     kernel = kernel_block_size or KERNEL_BLOCK_SIZES.get(name)
-    if LAYOUTS[layout][0] == 1:
-        kernel = None  # vLLM never splits blocks of a block-outer layout
     kernels = [None if isinstance(g.spec, MambaSpec) else kernel for g in groups]
     buffer, caches = allocate_kv_caches(groups, num_blocks, layout, kernels)
     return ExampleModel(name, caches, groups, num_blocks, buffer, layout)
