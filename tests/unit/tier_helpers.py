@@ -63,31 +63,50 @@ def child_command(*args: object) -> list[str]:
     return [sys.executable, os.path.join(HERE, "tier_helpers.py"), *map(str, args)]
 
 
+def release_together(barrier: str, children: int, timeout: float = 60.0) -> None:
+    """Wait until ``children`` started with TIER_TEST_BARRIER=barrier are ready; let them go."""
+    deadline = time.monotonic() + timeout
+    while sum(n.startswith("ready-") for n in os.listdir(barrier)) < children:
+        assert time.monotonic() < deadline, "child processes never got ready"
+        time.sleep(0.01)
+    open(os.path.join(barrier, "go"), "w").close()
+
+
 def _main(argv: list[str]) -> None:
     from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 
     command, root, fingerprint, first, count, size, variant = argv[:7]
     first, count, size, variant = int(first), int(count), int(size), int(variant)
     budget = int(argv[7]) if len(argv) > 7 else 1 << 34
+    rescan_interval_s = float(argv[8]) if len(argv) > 8 else 0.0
     if command == "write-fsize-limited":
         import resource
         import signal
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (size + 8192, size + 8192))
-    tier = FilesystemTier(FilesystemTierConfig(root, fingerprint, budget, rescan_interval_s=0))
+    tier = FilesystemTier(
+        FilesystemTierConfig(root, fingerprint, budget, rescan_interval_s=rescan_interval_s)
+    )
     report: dict = {"ok": [], "failed": []}
+    barrier = os.environ.get("TIER_TEST_BARRIER")
+    if barrier:  # start writing together with the other children: announce, wait for "go"
+        open(os.path.join(barrier, f"ready-{os.getpid()}"), "w").close()
+        while not os.path.exists(os.path.join(barrier, "go")):
+            time.sleep(0.001)
     if command in ("write", "write-fsize-limited"):
         for i in range(first, first + count):
             n = size * 4 if command == "write-fsize-limited" and i % 2 else size
             key, data = chunk(i, n, variant)
             result = write(tier, [key], [data])
             report["ok" if result.ok else "failed"].append(i)
-    elif command == "write-forever":  # until killed: one line per confirmed key
-        for i in range(first, 10**9):
-            key, data = chunk(i, size, variant)
-            if write(tier, [key], [data]).ok:
-                print(i, flush=True)
+    elif command == "write-forever":  # until killed: jobs of 8 keys, one line per stored key
+        for batch in range(first, 10**9, 8):
+            chunks = [chunk(i, size, variant) for i in range(batch, batch + 8)]
+            result = write(tier, [k for k, _ in chunks], [d for _, d in chunks])
+            for i, ok in zip(range(batch, batch + 8), result.succeeded):
+                if ok:
+                    print(i, flush=True)
     elif command == "read":
         for i in range(first, first + count):
             key, expected = chunk(i, size, variant)
