@@ -145,9 +145,9 @@ def test_overlaid_groups_share_tensors(layout):
         assert sorted(r.tensor_idx for r in refs) == list(range(8))
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
-def test_hybrid_attention_mamba_with_padding_and_kernel_blocks(layout):
-    model = build_example("qwen3-next", 2, layout=layout)
+def test_hybrid_attention_mamba_with_padding_and_kernel_blocks():
+    # Full size, in the layout vLLM's CPU backend uses; other layouts: the small hybrid below.
+    model = build_example("qwen3-next", 2, layout="LBHNC")
     canonical = check(model.kv_caches, model.groups, 2, sample=2)
     assert len(canonical.tensors) == 12
     mamba = next(g for g, grp in enumerate(model.groups) if isinstance(grp.spec, MambaSpec))
