@@ -96,6 +96,12 @@ class OffloadManager:
         """The state of each key in this tier."""
         return [self._state(_checked(key)) for key in keys]
 
+    def is_ready(self, key: OffloadKey) -> bool:
+        """Whether one key can be loaded now: the fast check behind a hit lookup's
+        `is_cached` (no key validation, no list)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.ready and not entry.dropped
+
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot of a READY key, else None."""
         entry = self._entries.get(key)

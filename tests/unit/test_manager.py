@@ -33,6 +33,7 @@ def test_store_lifecycle_lookup_and_events():
     assert m.slot_of(A) is None  # not readable yet
     m.complete_store([A, B], True)
     assert m.lookup([A, B]) == [READY, READY]
+    assert m.is_ready(A) and not m.is_ready(C)
     assert (m.slot_of(A), m.slot_of(B)) == (0, 1)
     assert m.num_free_slots == 2 and len(m) == 2
     assert m.take_events() == [OffloadEvent("stored", (A, B), "cpu")]
@@ -202,6 +203,7 @@ def test_reset_keeps_pinned_and_in_flight_slots_until_they_complete():
     m.reset()
     assert m.take_events() == [OffloadEvent("removed", (A, B), "cpu")]
     assert m.lookup([A, B, C]) == [ABSENT, ABSENT, ABSENT]
+    assert not m.is_ready(A)
     assert m.num_free_slots == 2  # A (being read) and C (being written) keep theirs
     with pytest.raises(OffloadStateError):
         m.prepare_load([A])

@@ -266,6 +266,8 @@ class Harness:
     def check(self) -> None:
         m, ref = self.manager, self.ref
         assert m.lookup(self.keys) == [ref.state(k) for k in self.keys]
+        assert [m.is_ready(k) for k in self.keys] == [
+            ref.state(k) is KeyState.READY for k in self.keys]
         held = self.held_slots()
         assert len(held) + m.num_free_slots == self.capacity
         assert len(ref.entries) == len(held)
