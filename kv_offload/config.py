@@ -1,0 +1,116 @@
+"""Typed configuration, parsed from vLLM's `kv_connector_extra_config` (a JSON dict).
+
+Every key is declared once below with its type, default and meaning; an unknown
+key, a wrong type or an impossible value raises `ConfigError` naming the key and
+what is accepted. Byte sizes take an int or a string with a unit ("16GiB",
+"500MB", "1.5 TiB").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kv_offload.errors import ConfigError
+
+EVICTION_POLICIES = ("lru", "arc")
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What the connector and the tiers are configured with."""
+
+    cpu_bytes_to_use: int
+    """Bytes of host memory for the CPU tier (required: the primary tier)."""
+    fs_root_dir: str | None = None
+    """Directory of the disk tier; None disables it."""
+    fs_bytes_to_use: int | None = None
+    """Disk budget in bytes; required when fs_root_dir is set."""
+    block_size: int | None = None
+    """Tokens per offloaded chunk, a multiple of the engine block size (default: the engine's)."""
+    eviction_policy: str = "lru"
+    """'lru', 'arc', or 'package.module:ClassName' for a custom policy."""
+    fs_fsync: bool = False
+    """fsync files and their directory after each write (durable across power loss)."""
+
+    def check_engine_block_size(self, engine_block_size: int) -> int:
+        """The offloaded chunk size in tokens, validated against the engine's block size."""
+        if self.block_size is None:
+            return engine_block_size
+        if self.block_size % engine_block_size:
+            raise ConfigError(
+                f"block_size={self.block_size} must be a multiple of the engine block size "
+                f"{engine_block_size}"
+            )
+        return self.block_size
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string like '16GiB'; names `key` on error."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be a byte size (int or e.g. '16GiB'), got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)) and \
+            match.group(2).lower() in _UNITS:
+        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        units = ", ".join(u for u in _UNITS if u)
+        raise ConfigError(f"{key} must be a byte size: an int or a number with a unit "
+                          f"({units}), got {value!r}")
+    if number <= 0:
+        raise ConfigError(f"{key} must be positive, got {value!r}")
+    return number
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
+    """Validate `kv_connector_extra_config` and build an OffloadConfig."""
+    extra = dict(extra or {})
+    accepted = [f.name for f in fields(OffloadConfig)]
+    unknown = sorted(set(extra) - set(accepted))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in kv_connector_extra_config; "
+                          f"accepted keys: {accepted}")
+    if "cpu_bytes_to_use" not in extra:
+        raise ConfigError("cpu_bytes_to_use is required (bytes of host memory for the CPU "
+                          "tier, e.g. '16GiB')")
+    values: dict[str, Any] = {"cpu_bytes_to_use": parse_size("cpu_bytes_to_use",
+                                                             extra["cpu_bytes_to_use"])}
+    root = extra.get("fs_root_dir")
+    if root is not None:
+        if not isinstance(root, str) or not root:
+            raise ConfigError(f"fs_root_dir must be a non-empty path string, got {root!r}")
+        if "fs_bytes_to_use" not in extra:
+            raise ConfigError("fs_bytes_to_use is required when fs_root_dir is set "
+                              "(the disk tier's budget, e.g. '100GiB')")
+        values["fs_root_dir"] = os.path.abspath(os.path.expanduser(root))
+    if "fs_bytes_to_use" in extra:
+        if root is None:
+            raise ConfigError("fs_bytes_to_use is set but fs_root_dir is not; set fs_root_dir "
+                              "to enable the disk tier")
+        values["fs_bytes_to_use"] = parse_size("fs_bytes_to_use", extra["fs_bytes_to_use"])
+    if "block_size" in extra:
+        block = extra["block_size"]
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ConfigError(f"block_size must be a positive int (tokens), got {block!r}")
+        values["block_size"] = block
+    if "eviction_policy" in extra:
+        policy = extra["eviction_policy"]
+        if not isinstance(policy, str) or (policy not in EVICTION_POLICIES and ":" not in policy):
+            raise ConfigError(f"eviction_policy must be one of {list(EVICTION_POLICIES)} or "
+                              f"'package.module:ClassName', got {policy!r}")
+        values["eviction_policy"] = policy
+    if "fs_fsync" in extra:
+        if not isinstance(extra["fs_fsync"], bool):
+            raise ConfigError(f"fs_fsync must be true or false, got {extra['fs_fsync']!r}")
+        values["fs_fsync"] = extra["fs_fsync"]
+    return OffloadConfig(**values)
