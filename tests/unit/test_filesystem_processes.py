@@ -57,6 +57,8 @@ def test_kill_9_while_writing_leaves_a_clean_consistent_directory(tmp_path):
     deadline = time.monotonic() + 60
     while len(confirmed) < 40 and time.monotonic() < deadline:
         confirmed.append(int(writer.stdout.readline()))
+    while not temp_files(str(tmp_path)) and time.monotonic() < deadline:
+        pass  # kill it mid-write if we can catch one (it fsyncs, so usually within ms)
     os.kill(writer.pid, signal.SIGKILL)
     writer.wait()
     writer.stdout.close()

@@ -85,8 +85,15 @@ def _main(argv: list[str]) -> None:
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (size + 8192, size + 8192))
+    # The killed writer fsyncs: its temporary files then live long enough to be cut short.
     tier = FilesystemTier(
-        FilesystemTierConfig(root, fingerprint, budget, rescan_interval_s=rescan_interval_s)
+        FilesystemTierConfig(
+            root,
+            fingerprint,
+            budget,
+            rescan_interval_s=rescan_interval_s,
+            fsync=command == "write-forever",
+        )
     )
     report: dict = {"ok": [], "failed": []}
     barrier = os.environ.get("TIER_TEST_BARRIER")
