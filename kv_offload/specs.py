@@ -168,6 +168,12 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require_positive(self, "attention_chunk_size")
+        # Chunks must start on block boundaries, or a hit would need half a block.
+        if self.attention_chunk_size % self.block_size:
+            raise SpecError(
+                f"ChunkedLocalAttentionSpec.attention_chunk_size={self.attention_chunk_size} "
+                f"must be a multiple of block_size={self.block_size}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

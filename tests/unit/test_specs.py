@@ -72,6 +72,8 @@ def test_local_attention_specs_need_their_window():
     with pytest.raises(SpecError, match="sliding_window"):
         SlidingWindowSpec(**ATTN, sliding_window=0)
     assert ChunkedLocalAttentionSpec(**ATTN, attention_chunk_size=8192).page_size_bytes == 65536
+    with pytest.raises(SpecError, match="attention_chunk_size=24 must be a multiple of block"):
+        ChunkedLocalAttentionSpec(**ATTN, attention_chunk_size=24)
 
 
 def test_merge_identical_specs():
