@@ -1,0 +1,27 @@
+"""The filesystem benchmark runs end to end and reports what the CLI expects (not timed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "..", "benchmarks", "bench_filesystem.py")
+
+
+def test_bench_reports_throughputs_ratios_and_zero_mismatches(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_filesystem", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    result = bench.run_filesystem_bench(
+        str(tmp_path / "root"), 64 * 1024, 8, str(out), io_threads=2, repeats=1
+    )
+    assert json.loads(out.read_text()) == result
+    for field in ("write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
+                  "write_ratio", "read_ratio"):
+        assert result[field] > 0, field
+    assert result["mismatches"] == 0 and result["failed_keys"] == 0
+    assert os.listdir(tmp_path / "root") == []  # it cleans up after itself
+    assert "mismatches: 0" in capsys.readouterr().out
