@@ -1,0 +1,61 @@
+"""Settings and statistics of the filesystem tier."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from kv_offload.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FilesystemTierConfig:
+    """Settings of a filesystem tier.
+
+    ``root_dir`` and ``bytes_to_use`` are ``fs_root_dir`` and ``fs_bytes_to_use`` of the
+    connector config. ``layout_fingerprint`` names the page layout of the model: files written
+    under another fingerprint are never served.
+    """
+
+    root_dir: str
+    layout_fingerprint: str
+    bytes_to_use: int
+    io_threads: int = 8
+    direct_io: bool = True  # use O_DIRECT where the filesystem supports it
+    fsync: bool = False  # fsync file and directory on every write (survive power loss)
+    rescan_interval_s: float = 5.0  # 0: never rescan (no other process shares the directory)
+    stale_temp_s: float = 600.0  # sweep another host's temporary files older than this
+
+    def __post_init__(self) -> None:
+        if isinstance(self.root_dir, os.PathLike):
+            object.__setattr__(self, "root_dir", os.fspath(self.root_dir))
+        if not isinstance(self.root_dir, str) or not self.root_dir:
+            raise ConfigError(f"fs_root_dir must be a non-empty path, got {self.root_dir!r}")
+        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
+            raise ConfigError(
+                f"layout_fingerprint must be a non-empty str, got {self.layout_fingerprint!r}"
+            )
+        for name in ("bytes_to_use", "io_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                label = "fs_bytes_to_use" if name == "bytes_to_use" else name
+                raise ConfigError(f"{label} must be a positive int, got {value!r}")
+        for name in ("rescan_interval_s", "stale_temp_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FilesystemTierStats:
+    """A snapshot of what the tier holds and what it did since it started."""
+
+    keys: int
+    bytes_used: int
+    bytes_budget: int
+    direct_io: bool
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> int:
+        """A counter by name (0 if it never happened), e.g. ``stats["write_failed"]``."""
+        return self.counts.get(name, 0)
