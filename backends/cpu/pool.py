@@ -1,0 +1,37 @@
+"""The host-memory pool: `num_slots` slots of `slot_bytes`, sized from a byte budget."""
+
+from __future__ import annotations
+
+import torch
+
+from kv_offload.errors import ConfigError
+from kv_offload.kernels.geometry import HostSlotLayout
+
+
+def cuda_present() -> bool:
+    """Whether pinned memory is worth having (and possible)."""
+    return torch.cuda.is_available()
+
+
+def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
+                  pin: bool | None = None) -> torch.Tensor:
+    """An int8 `(num_slots, slot_bytes)` tensor using at most `cpu_bytes_to_use` bytes.
+
+    Pinned (page-locked, so the GPU can DMA it and kernels can address it)
+    when CUDA is present, unless `pin` says otherwise; plain memory otherwise.
+    The memory is not touched here: the OS commits pages on first write."""
+    if isinstance(cpu_bytes_to_use, bool) or not isinstance(cpu_bytes_to_use, int):
+        raise ConfigError(f"cpu_bytes_to_use must be an int (bytes), got {cpu_bytes_to_use!r}")
+    if layout.slot_bytes <= 0:
+        raise ConfigError("the KV cache has no bytes to offload (every group is empty)")
+    num_slots = cpu_bytes_to_use // layout.slot_bytes
+    if num_slots < 1:
+        raise ConfigError(
+            f"cpu_bytes_to_use={cpu_bytes_to_use} is smaller than one host slot "
+            f"({layout.slot_bytes} bytes = one block of the largest cache group); "
+            f"expected at least {layout.slot_bytes}"
+        )
+    pin = cuda_present() if pin is None else pin
+    if pin and not cuda_present():
+        raise ConfigError("pinned host memory was asked for, but CUDA is not available")
+    return torch.empty((num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=pin)

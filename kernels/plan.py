@@ -1,0 +1,142 @@
+"""A copy plan: which block goes to which slot (or back), checked once per job.
+
+The caller gives, per cache group, engine block ids and host slot ids (pair i
+moves block_ids[i] <-> slot_ids[i]). The plan validates them (range, one
+source per destination), drops exact repeats, sorts the pairs by destination
+and merges pairs that continue each other on both sides into runs, so the
+executors can move each run with one large copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kv_offload.errors import TransferError
+from kv_offload.transfer import Direction
+
+IdsLike = Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The validated pairs of one group, sorted by destination.
+
+    `src`/`dst` are row ids on each side (blocks or slots, by direction);
+    `runs` is an (n, 3) array of (src start, dst start, length) where both
+    sides are consecutive, in destination order."""
+
+    group: int
+    src: np.ndarray
+    dst: np.ndarray
+    runs: np.ndarray
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.src.size)
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    direction: Direction
+    groups: tuple[GroupPlan, ...]
+    num_bytes: int  # real bytes this plan moves
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(g.num_pairs for g in self.groups)
+
+
+def plan_copy(
+    direction: Direction,
+    transfers: Mapping[int, tuple[IdsLike, IdsLike]],
+    *,
+    num_blocks: int,
+    num_slots: int,
+    block_bytes: Sequence[int],
+) -> CopyPlan:
+    """Check and plan `transfers` ({group: (block_ids, slot_ids)}).
+
+    `block_bytes[g]` is the real bytes one block of group g moves. Raises
+    `TransferError` naming the group and the offending id."""
+    if not isinstance(direction, Direction):
+        raise TransferError(f"direction must be a Direction, got {direction!r}")
+    groups, total, seen_slots = [], 0, set()
+    for group, ids in sorted(transfers.items()):
+        if not isinstance(group, int) or not 0 <= group < len(block_bytes):
+            raise TransferError(f"cache group {group!r} does not exist; there are "
+                                f"{len(block_bytes)} groups (0..{len(block_bytes) - 1})")
+        if not isinstance(ids, tuple) or len(ids) != 2:
+            raise TransferError(f"group {group}: expected (block_ids, slot_ids), got {ids!r}")
+        blocks = _ids(ids[0], "block", group, num_blocks)
+        slots = _ids(ids[1], "slot", group, num_slots)
+        if blocks.size != slots.size:
+            raise TransferError(f"group {group}: {blocks.size} block ids but {slots.size} "
+                                f"slot ids; expected one slot per block")
+        if direction is Direction.STORE:
+            clash = seen_slots.intersection(slots.tolist())
+            if clash:
+                raise TransferError(f"group {group}: slot {min(clash)} is also written by "
+                                    f"another group in this job")
+            plan = _plan_group(group, blocks, slots, "slot")
+            seen_slots.update(plan.dst.tolist())
+        else:
+            plan = _plan_group(group, slots, blocks, "block")
+        if plan.num_pairs:
+            groups.append(plan)
+            total += plan.num_pairs * block_bytes[group]
+    return CopyPlan(direction, tuple(groups), total)
+
+
+def _ids(values: IdsLike, kind: str, group: int, limit: int) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TransferError(f"group {group}: {kind} ids must be a 1-D sequence of ints, got "
+                            f"dtype {array.dtype} shape {array.shape}")
+    array = array.astype(np.int64, copy=False)
+    bad = (array < 0) | (array >= limit)
+    if bad.any():
+        raise TransferError(f"group {group}: {kind} id {int(array[bad][0])} is out of range; "
+                            f"expected 0 <= id < {limit}")
+    return array
+
+
+def _plan_group(group: int, src: np.ndarray, dst: np.ndarray, dst_kind: str) -> GroupPlan:
+    order = np.lexsort((src, dst))
+    src, dst = src[order], dst[order]
+    if dst.size > 1:
+        repeat = (np.diff(dst) == 0) & (np.diff(src) == 0)
+        if repeat.any():  # the same pair twice: move it once
+            keep = np.concatenate(([True], ~repeat))
+            src, dst = src[keep], dst[keep]
+        clash = np.flatnonzero(np.diff(dst) == 0)
+        if clash.size:
+            i = clash[0]
+            raise TransferError(f"group {group}: {dst_kind} {int(dst[i])} would receive two "
+                                f"different sources ({int(src[i])} and {int(src[i + 1])})")
+    return GroupPlan(group, src, dst, merge_runs(src, dst))
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """(start src, start dst, length) of maximal stretches where both ids step by one."""
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return np.stack([src[starts], dst[starts], lengths], axis=1)
+
+
+def stretches(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths of maximal stretches of consecutive ids."""
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
+    return starts, np.diff(np.concatenate((starts, [ids.size])))
