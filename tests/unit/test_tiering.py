@@ -1,0 +1,151 @@
+"""TieredStore: host slots in front of the filesystem tier, on real files and threads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
+from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+from kv_offload.config import parse_config
+from kv_offload.engine_alloc import allocate_kv_caches
+from kv_offload.tiering import Location, TieredStore, layout_fingerprint, storage_key
+
+NUM_BLOCKS = 12
+
+
+def hybrid():
+    """Two overlaid groups (attention + padded Mamba), as a small hybrid engine."""
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    mamba = MambaSpec(32, ((3, 64), (4, 16, 16)), (torch.bfloat16, torch.float32),
+                      page_size_padded=attn.page_size_bytes)
+    groups = [KVCacheGroup(["a0", "a1"], attn), KVCacheGroup(["m0", "m1"], mamba)]
+    buffer, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC")
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
+    return buffer, canonicalize(caches, groups, NUM_BLOCKS)
+
+
+def block_bytes(canonical, group, block):
+    return torch.cat([canonical.tensors[r.tensor_idx].tensor[block,
+                      r.offset_bytes:r.offset_bytes + r.page_size_bytes]
+                      for r in canonical.group_refs[group]]).clone()
+
+
+def make_store(canonical, root, slots=4, **kw):
+    slot = max(canonical.slot_bytes_per_block(g) for g in range(len(canonical.group_refs)))
+    storage = None
+    if root is not None:
+        storage = FilesystemTier(FilesystemTierConfig(
+            root_dir=str(root), layout_fingerprint=layout_fingerprint(canonical),
+            bytes_to_use=1 << 30, rescan_interval_s=0))
+    return TieredStore(canonical, slots * slot, storage=storage, **kw)
+
+
+def h(i):
+    return i.to_bytes(8, "little")
+
+
+def test_store_then_load_from_host_is_bit_exact():
+    buffer, canonical = hybrid()
+    store = make_store(canonical, None, slots=8)
+    expected = {(g, b): block_bytes(canonical, g, b) for g in (0, 1) for b in (1, 2, 5)}
+    [stored] = store.wait([store.submit_store({0: ([h(1), h(2)], [1, 2]), 1: ([h(5)], [5])})])
+    assert stored.success
+    assert store.lookup([(h(1), 0), (h(5), 1), (h(5), 0)]) == \
+        [Location.HOST, Location.HOST, Location.ABSENT]
+    buffer.zero_()
+    # Load into other blocks, out of order.
+    [loaded] = store.wait([store.submit_load({0: ([h(2), h(1)], [7, 3]), 1: ([h(5)], [9])})])
+    assert loaded.success and loaded.failed == {}
+    assert torch.equal(block_bytes(canonical, 0, 3), expected[0, 1])
+    assert torch.equal(block_bytes(canonical, 0, 7), expected[0, 2])
+    assert torch.equal(block_bytes(canonical, 1, 9), expected[1, 5])
+    store.close()
+
+
+def test_evicted_from_host_is_loaded_from_disk(tmp_path):
+    buffer, canonical = hybrid()
+    store = make_store(canonical, tmp_path, slots=2)
+    expected = block_bytes(canonical, 0, 0)
+    store.wait([store.submit_store({0: ([h(0)], [0])})])
+    store.flush()
+    for i in range(1, 4):  # push h(0) out of the 2 host slots
+        store.wait([store.submit_store({0: ([h(i)], [i])})])
+        store.flush()
+    assert store.lookup([(h(0), 0)]) == [Location.STORAGE]
+    buffer.zero_()
+    [loaded] = store.wait([store.submit_load({0: ([h(0)], [6])})])
+    assert loaded.success
+    assert torch.equal(block_bytes(canonical, 0, 6), expected)
+    assert store.lookup([(h(0), 0)]) == [Location.HOST]  # read back into a slot
+    store.close()
+
+
+def test_a_new_store_on_the_same_directory_finds_everything(tmp_path):
+    buffer, canonical = hybrid()
+    first = make_store(canonical, tmp_path, slots=6)
+    expected = [block_bytes(canonical, g, b) for g, b in ((0, 1), (1, 2))]
+    first.wait([first.submit_store({0: ([h(1)], [1]), 1: ([h(2)], [2])})])
+    first.flush()
+    first.close()
+    buffer.zero_()
+    second = make_store(canonical, tmp_path, slots=6)  # fresh host tier, same disk
+    assert second.lookup([(h(1), 0), (h(2), 1)]) == [Location.STORAGE] * 2
+    [loaded] = second.wait([second.submit_load({0: ([h(1)], [4]), 1: ([h(2)], [8])})])
+    assert loaded.success
+    assert torch.equal(block_bytes(canonical, 0, 4), expected[0])
+    assert torch.equal(block_bytes(canonical, 1, 8), expected[1])
+    second.close()
+
+
+def test_corrupt_file_fails_only_its_blocks(tmp_path):
+    buffer, canonical = hybrid()
+    first = make_store(canonical, tmp_path, slots=6)
+    good = block_bytes(canonical, 0, 2)
+    first.wait([first.submit_store({0: ([h(1), h(2)], [1, 2])})])
+    first.flush()
+    first.close()
+    victim = next(p for p in Path(tmp_path).rglob("*.safetensors")
+                  if storage_key((h(1), 0)).hex() in p.name)
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x40
+    victim.write_bytes(bytes(data))
+    buffer.zero_()
+    second = make_store(canonical, tmp_path, slots=6)
+    [loaded] = second.wait([second.submit_load({0: ([h(1), h(2)], [5, 6])})])
+    assert not loaded.success and loaded.failed == {0: [5]}
+    assert torch.equal(block_bytes(canonical, 0, 6), good)
+    assert not victim.exists()  # the bad file is removed
+    assert second.lookup([(h(1), 0)]) == [Location.ABSENT]
+    second.close()
+
+
+def test_absent_keys_fail_and_full_pool_skips_the_store():
+    _, canonical = hybrid()
+    store = make_store(canonical, None, slots=2)
+    [loaded] = store.wait([store.submit_load({1: ([h(9)], [3])})])
+    assert loaded.failed == {1: [3]}
+    [stored] = store.wait([store.submit_store({0: ([h(1), h(2), h(3)], [1, 2, 3])})])
+    assert not stored.success and stored.failed == {0: [1, 2, 3]}
+    assert store.lookup([(h(1), 0)]) == [Location.ABSENT]
+    store.close()
+
+
+def test_from_config_builds_both_tiers(tmp_path):
+    _, canonical = hybrid()
+    config = parse_config({"cpu_bytes_to_use": "8MiB", "fs_root_dir": str(tmp_path),
+                           "fs_bytes_to_use": "64MiB", "eviction_policy": "arc"})
+    store = TieredStore.from_config(canonical, config, layout_fingerprint(canonical, "tp0/1"))
+    assert store.storage is not None and store.cpu.num_slots > 0
+    store.close()
+    assert os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("extra", ["", "tp1/2"])
+def test_fingerprint_depends_on_layout_and_extra(extra):
+    _, canonical = hybrid()
+    assert layout_fingerprint(canonical, extra) == layout_fingerprint(canonical, extra)
+    assert layout_fingerprint(canonical, extra) != layout_fingerprint(canonical, extra + "x")
