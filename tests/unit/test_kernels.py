@@ -1,0 +1,260 @@
+"""Batched CPU copies: every example model and layout, bit for bit, against a
+per-page reference that reads the canonical refs directly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_offload import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    MambaSpec,
+    SlidingWindowSpec,
+    canonicalize,
+)
+from kv_offload.engine_alloc import (
+    LAYOUTS,
+    allocate_kv_caches,
+    legacy_mamba_states,
+    legacy_split_kv,
+)
+from kv_offload.errors import TransferError
+from kv_offload.example_models import EXAMPLE_MODELS, build_example
+from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout, copy_blocks
+
+STRATEGIES = ["runs", "gather", "scatter", "staged"]
+
+
+def randomize(tensor: torch.Tensor, seed: int) -> None:
+    """Fill an int8 tensor with random bytes (drawn 8 at a time: big pools are slow)."""
+    gen = torch.Generator().manual_seed(seed)
+    words = torch.randint(-2**63, 2**63 - 1, (-(-tensor.numel() // 8),), dtype=torch.int64,
+                          generator=gen)
+    tensor.copy_(words.view(torch.int8)[:tensor.numel()].view(tensor.shape))
+
+
+def engine_page(canonical, ref, block: int) -> torch.Tensor:
+    return canonical.tensors[ref.tensor_idx].tensor[block, ref.offset_bytes:
+                                                    ref.offset_bytes + ref.page_size_bytes]
+
+
+def slot_offsets(canonical, group: int) -> list[int]:
+    """The documented slot layout: the group's refs' slot_bytes back to back."""
+    return np.cumsum([0] + [r.slot_bytes for r in canonical.group_refs[group]])[:-1].tolist()
+
+
+def reference_store(canonical, pool: torch.Tensor, transfers) -> torch.Tensor:
+    expected = pool.clone()
+    for g, (blocks, slots) in transfers.items():
+        for b, s in zip(blocks, slots):
+            for ref, off in zip(canonical.group_refs[g], slot_offsets(canonical, g)):
+                expected[s, off:off + ref.page_size_bytes] = engine_page(canonical, ref, b)
+    return expected
+
+
+def reference_load(canonical, pool: torch.Tensor, transfers, buffer: torch.Tensor):
+    """The engine buffer after the load, computed page by page on a copy."""
+    saved = buffer.clone()
+    for g, (blocks, slots) in transfers.items():
+        for b, s in zip(blocks, slots):
+            for ref, off in zip(canonical.group_refs[g], slot_offsets(canonical, g)):
+                engine_page(canonical, ref, b).copy_(pool[s, off:off + ref.page_size_bytes])
+    expected = buffer.clone()
+    buffer.copy_(saved)
+    return expected
+
+
+def round_trip(kv_caches, groups, num_blocks, buffer, seed=0, strategy=None, blocks_per_group=3):
+    """Store some blocks of every group, scribble, load them into other blocks;
+    compare pool and whole engine buffer with the page-by-page reference."""
+    rng = np.random.default_rng(seed)
+    canonical = canonicalize(kv_caches, groups, num_blocks)
+    layout = HostSlotLayout.from_canonical(canonical)
+    num_slots = len(groups) * blocks_per_group + 3
+    pool = torch.empty(num_slots, layout.slot_bytes, dtype=torch.int8)
+    randomize(pool, seed + 1)
+    randomize(buffer, seed + 2)
+    copier = BlockCopier(canonical, pool, layout)
+    # A block id belongs to one group at a time: disjoint blocks per group, out of order.
+    blocks = rng.permutation(num_blocks)[:len(groups) * blocks_per_group]
+    slots = rng.permutation(num_slots)[:blocks.size]
+    per_group = {g: (blocks[g::len(groups)].tolist(), slots[g::len(groups)].tolist())
+                 for g in range(len(groups))}
+    expected_pool = reference_store(canonical, pool, per_group)
+    moved = copier.copy(copier.plan(Direction.STORE, per_group), strategy)
+    assert moved == sum(canonical.data_bytes_per_block(g) * len(per_group[g][0])
+                        for g in per_group)
+    assert torch.equal(pool, expected_pool)
+
+    randomize(buffer, seed + 3)  # scribble over the engine
+    targets = rng.permutation(num_blocks)[:blocks.size]
+    loads = {g: (targets[g::len(groups)].tolist(), per_group[g][1]) for g in per_group}
+    expected = reference_load(canonical, pool, loads, buffer)
+    copier.copy(copier.plan(Direction.LOAD, loads), strategy)
+    assert torch.equal(buffer, expected)  # loaded bytes right, all other bytes untouched
+    assert torch.equal(pool, expected_pool)  # a load leaves the host side alone
+    return canonical
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(EXAMPLE_MODELS))
+def test_example_models_round_trip(name, layout):
+    big = name in ("qwen3-next", "deepseek-mla")  # 13 and 4.4 MB per block: keep them few
+    model = build_example(name, 4 if big else 7, layout=layout)
+    round_trip(model.kv_caches, model.groups, model.num_blocks, model.buffer, seed=len(name),
+               blocks_per_group=1 if big else 3)
+
+
+def small_hybrid(layout: str, num_blocks: int):
+    """Attention + padded Mamba groups overlaying one buffer, like qwen3-next but small."""
+    attn = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=64, shapes=((3, 100), (2, 8, 8)), dtypes=(torch.bfloat16,) * 2,
+                      page_size_padded=attn.page_size_bytes)
+    groups = [KVCacheGroup(["a0", "a1"], attn), KVCacheGroup(["m0", "m1"], mamba),
+              KVCacheGroup(["m2", "m3"], mamba)]
+    buffer, caches = allocate_kv_caches(groups, num_blocks, layout)
+    return caches, groups, buffer
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_on_hybrid_padded_model(strategy, layout):
+    caches, groups, buffer = small_hybrid(layout, 12)
+    canonical = round_trip(caches, groups, 12, buffer, strategy=strategy)
+    assert any(r.slot_bytes > r.page_size_bytes for refs in canonical.group_refs for r in refs)
+
+
+@pytest.mark.parametrize("kv_outer", [True, False])
+def test_legacy_split_kv(kv_outer):
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)
+    caches = legacy_split_kv(spec, 9, 3, kv_outer=kv_outer)
+    groups = [KVCacheGroup(list(caches), spec)]
+    for seed, cache in enumerate(caches.values()):
+        round_trip({n: c for n, c in caches.items() if c is cache}, [
+            KVCacheGroup([n for n, c in caches.items() if c is cache], spec)], 9,
+            cache.view(-1).view(torch.int8), seed=seed)
+    assert len(canonicalize(caches, groups, 9).group_refs[0]) == (6 if kv_outer else 3)
+
+
+def test_legacy_mamba_state_lists_with_padding():
+    spec = MambaSpec(block_size=1, shapes=((3, 40), (4, 8, 8)), dtypes=(torch.float16,) * 2,
+                     page_size_padded=1024)
+    buffer, caches = legacy_mamba_states(spec, 8, 2)
+    round_trip(caches, [KVCacheGroup(list(caches), spec)], 8, buffer)
+
+
+def test_padded_attention_pages_reserve_but_do_not_copy_padding():
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16,
+                             page_size_padded=200)
+    groups = [KVCacheGroup(["a", "b"], spec)]
+    buffer, caches = allocate_kv_caches(groups, 5, "LBNHC")
+    canonical = round_trip(caches, groups, 5, buffer)
+    assert HostSlotLayout.from_canonical(canonical).slot_bytes == 400
+
+
+def test_groups_with_different_slot_sizes_share_the_pool():
+    attn = FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=8, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
+                            sliding_window=64)
+    groups = [KVCacheGroup(["f0", "f1", "f2"], attn), KVCacheGroup(["s0"], swa)]
+    buffer, caches = allocate_kv_caches(groups, 10, "LBNHC")
+    canonical = round_trip(caches, groups, 10, buffer)
+    layout = HostSlotLayout.from_canonical(canonical)
+    assert layout.group_bytes == (3 * attn.page_size_bytes, swa.page_size_bytes)
+    assert layout.slot_bytes == 3 * attn.page_size_bytes
+
+
+def test_segments_fuse_layers_of_one_buffer():
+    model = build_example("llama-8b", 4, layout="LBNHC")
+    canonical = canonicalize(model.kv_caches, model.groups, 4)
+    layout = HostSlotLayout.from_canonical(canonical)
+    copier = BlockCopier(canonical, torch.empty(2, layout.slot_bytes, dtype=torch.int8))
+    (segment,) = copier.segments[0]
+    assert segment.refs == tuple(range(32)) and segment.block_bytes == 32 * 64 * 1024
+    assert segment.engine.dtype == torch.int64
+
+
+def _small_canonical(num_blocks: int):
+    spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=4, dtype=torch.float16,
+                             page_size_padded=40)
+    groups = [KVCacheGroup(["x", "y"], spec)]
+    buffer, caches = allocate_kv_caches(groups, num_blocks, "LBNHC")
+    randomize(buffer, 7)
+    return canonicalize(caches, groups, num_blocks), buffer
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), strategy=st.sampled_from(STRATEGIES + [None]))
+def test_any_pairs_any_strategy_match_reference(data, strategy):
+    num_blocks = data.draw(st.integers(1, 24))
+    num_slots = data.draw(st.integers(1, 24))
+    n = data.draw(st.integers(0, min(num_blocks, num_slots)))
+    # Runs appear often: draw a start and take consecutive ids mixed with random ones.
+    slots = data.draw(st.permutations(range(num_slots)))[:n]
+    blocks = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=n, max_size=n))
+    canonical, buffer = _small_canonical(num_blocks)
+    pool = torch.zeros(num_slots, HostSlotLayout.from_canonical(canonical).slot_bytes,
+                       dtype=torch.int8)
+    randomize(pool, 3)
+    copier = BlockCopier(canonical, pool)
+    expected_pool = reference_store(canonical, pool, {0: (blocks, slots)})
+    copier.copy(copier.plan(Direction.STORE, {0: (blocks, slots)}), strategy)
+    assert torch.equal(pool, expected_pool)
+    # Load back: destinations must be distinct blocks.
+    targets = data.draw(st.permutations(range(num_blocks)))[:n]
+    randomize(buffer, 11)
+    expected = reference_load(canonical, pool, {0: (targets, slots)}, buffer)
+    copier.copy(copier.plan(Direction.LOAD, {0: (targets, slots)}), strategy)
+    assert torch.equal(buffer, expected)
+
+
+def test_repeated_pairs_and_repeated_source_blocks():
+    canonical, buffer = _small_canonical(6)
+    pool = torch.zeros(8, HostSlotLayout.from_canonical(canonical).slot_bytes, dtype=torch.int8)
+    blocks, slots = [4, 4, 2, 4, 2], [0, 5, 1, 0, 1]  # block 4 -> two slots; pairs repeated
+    copier = BlockCopier(canonical, pool)
+    expected = reference_store(canonical, pool, {0: (blocks, slots)})
+    plan = copier.plan(Direction.STORE, {0: (blocks, slots)})
+    assert plan.num_pairs == 3
+    copier.copy(plan)
+    assert torch.equal(pool, expected)
+    assert copy_blocks(canonical, pool, 0, [1, 1], [5, 5], Direction.LOAD) > 0
+
+
+@pytest.mark.parametrize("direction, blocks, slots, message", [
+    (Direction.STORE, [6], [0], "block id 6 is out of range"),
+    (Direction.STORE, [-1], [0], "block id -1 is out of range"),
+    (Direction.LOAD, [0], [8], "slot id 8 is out of range"),
+    (Direction.STORE, [0, 1], [0], "2 block ids but 1 slot ids"),
+    (Direction.STORE, [0.5], [0], "ids must be a 1-D sequence of ints"),
+    (Direction.STORE, [[0]], [0], "ids must be a 1-D sequence of ints"),
+    (Direction.STORE, [0, 1], [3, 3], "slot 3 would receive two different sources"),
+    (Direction.LOAD, [2, 2], [3, 4], "block 2 would receive two different sources"),
+])
+def test_bad_requests_raise_typed_errors(direction, blocks, slots, message):
+    canonical, _ = _small_canonical(6)
+    pool = torch.zeros(8, HostSlotLayout.from_canonical(canonical).slot_bytes, dtype=torch.int8)
+    copier = BlockCopier(canonical, pool)
+    with pytest.raises(TransferError, match=message):
+        copier.plan(direction, {0: (blocks, slots)})
+
+
+def test_unknown_group_and_cross_group_slot_clash():
+    model = build_example("gemma3", 4)
+    canonical = canonicalize(model.kv_caches, model.groups, 4)
+    pool = torch.zeros(4, HostSlotLayout.from_canonical(canonical).slot_bytes, dtype=torch.int8)
+    copier = BlockCopier(canonical, pool)
+    with pytest.raises(TransferError, match="cache group 6 does not exist"):
+        copier.plan(Direction.STORE, {6: ([0], [0])})
+    with pytest.raises(TransferError, match="slot 1 is also written by another group"):
+        copier.plan(Direction.STORE, {0: ([0], [1]), 2: ([3], [1])})
+
+
+def test_pool_shape_is_checked():
+    canonical, _ = _small_canonical(3)
+    with pytest.raises(ValueError, match="host pool must be int8"):
+        BlockCopier(canonical, torch.zeros(4, 10, dtype=torch.int8))
