@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(HERE, "..", "..", "benchmarks", "bench_filesystem.py")
+from kv_offload.backends.filesystem import bench
 
 
 def test_bench_reports_throughputs_ratios_and_zero_mismatches(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_filesystem", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
     result = bench.run_filesystem_bench(
         str(tmp_path / "root"), 64 * 1024, 8, str(out), io_threads=2, repeats=1
