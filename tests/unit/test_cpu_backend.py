@@ -1,0 +1,181 @@
+"""CpuBackend: asynchronous stores and loads on real worker threads, failures as
+failed jobs, overlapping stores and loads, the byte budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_kernels import randomize, reference_load, reference_store
+
+from kv_offload import canonicalize
+from kv_offload.backends.cpu import CpuBackend
+from kv_offload.errors import ConfigError, TierClosedError, TransferError
+from kv_offload.example_models import build_example
+from kv_offload.transfer import Direction
+
+WAIT_S = 60  # generous: only reached if a worker hangs
+
+
+@pytest.fixture
+def gemma():
+    model = build_example("gemma3", 12)
+    randomize(model.buffer, 1)
+    canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)
+    return model, canonical
+
+
+def test_store_scribble_load_round_trip(gemma):
+    model, canonical = gemma
+    with CpuBackend(canonical, 10 * (1 << 20)) as backend:
+        assert backend.num_slots == 10 and backend.slot_bytes == 1 << 20
+        stores = {0: ([7, 2, 9], [4, 0, 8]), 3: ([5], [1])}  # overlaid groups, one job
+        expected_pool = reference_store(canonical, backend.pool, stores)
+        job = backend.submit_store(stores)
+        (result,) = backend.wait([job], timeout=WAIT_S)
+        assert result.success and result.direction is Direction.STORE
+        assert result.num_bytes == 4 * canonical.data_bytes_per_block(0) and result.seconds >= 0
+        assert torch.equal(backend.pool, expected_pool)
+        randomize(model.buffer, 2)
+        loads = {0: ([3, 11], [8, 4]), 3: ([6], [1])}  # partial batch into other blocks
+        expected = reference_load(canonical, backend.pool, loads, model.buffer)
+        (result,) = backend.wait([backend.submit_load(loads)], timeout=WAIT_S)
+        assert result.success and result.direction is Direction.LOAD
+        assert torch.equal(model.buffer, expected)
+
+
+@pytest.mark.parametrize("transfers, message", [
+    ({0: ([12], [0])}, "block id 12 is out of range"),
+    ({0: ([1], [10])}, "slot id 10 is out of range"),
+    ({0: ([1.0], [2])}, "ids must be a 1-D sequence of ints"),
+    ({0: ([1, 2], [3])}, "2 block ids but 1 slot ids"),
+    ({9: ([1], [3])}, "cache group 9 does not exist"),
+    ({0: [1, 3]}, "expected (block_ids, slot_ids)"),
+    ([(0, [1], [2])], "transfers must map group"),
+])
+def test_bad_jobs_fail_without_raising(gemma, transfers, message):
+    _, canonical = gemma
+    with CpuBackend(canonical, 10 << 20) as backend:
+        before = backend.pool.clone()
+        job = backend.submit_store(transfers)
+        (result,) = backend.wait([job], timeout=WAIT_S)
+        assert not result.success and result.num_bytes == 0
+        assert result.error.startswith("TransferError") and message in result.error
+        assert torch.equal(backend.pool, before)
+
+
+def test_failed_job_names_its_blocks(gemma):
+    _, canonical = gemma
+    with CpuBackend(canonical, 10 << 20) as backend:
+        job = backend.submit_load({0: ([3, 4], [1, 1]), 2: ([5], [99])})
+        (result,) = backend.wait([job], timeout=WAIT_S)
+        assert not result.success
+        assert dict(result.failed_blocks) == {0: (3, 4), 2: (5,)}
+
+
+def test_exception_inside_the_copy_is_a_failed_job():
+    model = build_example("llama-8b", 4)
+    canonical = canonicalize(model.kv_caches, model.groups, 4)
+    with CpuBackend(canonical, 4 << 21) as backend:
+        model.buffer.untyped_storage().resize_(0)  # the engine memory is gone
+        job = backend.submit_store({0: ([1, 2], [0, 1])})
+        (result,) = backend.wait([job], timeout=WAIT_S)
+        assert not result.success and "RuntimeError" in result.error
+        assert result.failed_blocks == ((0, (1, 2)),)
+        # The backend keeps working after a failed job.
+        (ok,) = backend.wait([backend.submit_store({})], timeout=WAIT_S)
+        assert ok.success and ok.num_bytes == 0
+
+
+def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
+    model, canonical = gemma
+    with CpuBackend(canonical, 12 << 20) as backend:
+        (r,) = backend.wait([backend.submit_store({1: (range(6, 12), range(6, 12))})])
+        assert r.success
+        store_pairs = {0: (list(range(6)), list(range(6)))}
+        load_pairs = {1: (list(range(6, 12))[::-1], list(range(6, 12)))}
+        expected_pool = reference_store(canonical, backend.pool, store_pairs)
+        # Group 1's blocks 6..11 and group 0's blocks 0..5 are disjoint engine bytes.
+        expected = reference_load(canonical, backend.pool, load_pairs, model.buffer)
+        jobs, lock = [], threading.Lock()
+
+        def submit(direction, pairs, count):
+            for _ in range(count):
+                job = backend.submit(direction, pairs)
+                with lock:
+                    jobs.append(job)
+
+        threads = [threading.Thread(target=submit, args=(Direction.STORE, store_pairs, 15)),
+                   threading.Thread(target=submit, args=(Direction.LOAD, load_pairs, 15))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = backend.wait(jobs, timeout=WAIT_S)
+        assert [r.job_id for r in results] == jobs and all(r.success for r in results)
+        assert {r.direction for r in results} == {Direction.STORE, Direction.LOAD}
+        assert torch.equal(backend.pool, expected_pool)
+        assert torch.equal(model.buffer, expected)
+
+
+def test_poll_returns_each_result_once_and_wait_rejects_unknown_ids(gemma):
+    _, canonical = gemma
+    backend = CpuBackend(canonical, 4 << 20)
+    ids = [backend.submit_store({0: ([i], [i])}) for i in range(4)]
+    assert len(set(ids)) == 4
+    seen = {}
+    while len(seen) < 4:
+        for result in backend.poll():
+            assert result.job_id not in seen
+            seen[result.job_id] = result
+        time.sleep(0.001)
+    assert sorted(seen) == sorted(ids) and all(r.success for r in seen.values())
+    assert backend.poll() == []
+    with pytest.raises(TransferError, match="unknown or its result was already collected"):
+        backend.wait([ids[0]])
+    late = backend.submit_load({0: ([5], [0])})
+    backend.close()  # queued work finishes; its result stays available
+    assert [r.job_id for r in backend.poll()] == [late]
+    with pytest.raises(TierClosedError):
+        backend.submit_store({0: ([1], [1])})
+    backend.close()  # idempotent
+
+
+def test_budget_sizes_the_pool(gemma):
+    _, canonical = gemma
+    with CpuBackend(canonical, (3 << 20) + 5) as backend:
+        assert backend.num_slots == 3 and tuple(backend.pool.shape) == (3, 1 << 20)
+        assert backend.pool.is_pinned() == torch.cuda.is_available()
+        assert backend.slot_buffer(2).shape == (1 << 20,)
+        assert backend.slot_buffer(2, group=0).data_ptr() == backend.pool[2].data_ptr()
+        with pytest.raises(TransferError, match="slot 3 is out of range"):
+            backend.slot_buffer(3)
+    with pytest.raises(ConfigError, match="smaller than one host slot"):
+        CpuBackend(canonical, (1 << 20) - 1)
+    with pytest.raises(ConfigError, match="must be an int"):
+        CpuBackend(canonical, 1.5e9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for pinned memory")
+def test_pool_is_pinned_with_cuda(gemma):
+    _, canonical = gemma
+    with CpuBackend(canonical, 2 << 20) as backend:
+        assert backend.pool.is_pinned()
+
+
+def test_many_random_jobs_match_reference():
+    model = build_example("deepseek-mla", 6)
+    randomize(model.buffer, 5)
+    canonical = canonicalize(model.kv_caches, model.groups, 6)
+    rng = np.random.default_rng(0)
+    with CpuBackend(canonical, 5 * canonical.data_bytes_per_block(0)) as backend:
+        expected = backend.pool.clone()
+        for _ in range(5):
+            blocks = rng.choice(6, size=3, replace=False).tolist()
+            slots = rng.choice(5, size=3, replace=False).tolist()
+            expected = reference_store(canonical, expected, {0: (blocks, slots)})
+            assert backend.wait([backend.submit_store({0: (blocks, slots)})])[0].success
+        assert torch.equal(backend.pool, expected)
