@@ -52,18 +52,21 @@ class BlockCopier:
 
     def copy(self, plan: CopyPlan, strategy: str | None = None) -> int:
         """Move `plan` and wait for it; returns the bytes moved. `strategy` forces one
-        CPU strategy (runs, gather, scatter, staged): for tests and benchmarks."""
+        strategy (CPU: runs, gather, scatter, staged; CUDA: dma, kernel): for tests
+        and benchmarks."""
         if self.device.type == "cuda":
-            handle = self._cuda.submit(plan)
+            handle = self._cuda.submit(plan, strategy=strategy)
             handle.wait()
             return plan.num_bytes
         return self._cpu.copy(plan, strategy)
 
-    def submit(self, plan: CopyPlan):
+    def submit(self, plan: CopyPlan, after: torch.cuda.Event | None = None):
         """Start moving `plan`; returns a handle with `done()` and `wait()`.
-        On CPU the copy happens here and the handle is already done."""
+        CUDA: enqueued on the direction's stream after `after` (default: after the
+        work queued so far on the caller's current stream); no host wait.
+        CPU: the copy happens here and the handle is already done."""
         if self.device.type == "cuda":
-            return self._cuda.submit(plan)
+            return self._cuda.submit(plan, after)
         self._cpu.copy(plan)
         return _Done()
 
