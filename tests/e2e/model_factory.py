@@ -1,8 +1,8 @@
 """Tiny local models for end-to-end tests against the real vLLM CPU engine.
 
 Each builder writes a Hugging Face model directory (config, random weights from a fixed seed,
-and a word-level tokenizer) that vLLM can load with no download. Prompts are plain words
-"w0 w1 ..." so a test controls exactly how many tokens it sends.
+and a word-level tokenizer, see vocab.py) that vLLM can load with no download. Prompts are
+plain words "w0 w1 ..." so a test controls exactly how many tokens it sends.
 """
 
 from __future__ import annotations
@@ -18,22 +18,11 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
-
-NUM_WORDS = 500
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(len(SPECIAL_TOKENS))
-VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_WORDS
-
-
-def word_prompt(num_tokens: int, offset: int = 0) -> str:
-    """A prompt of exactly `num_tokens` word tokens (no BOS is added by our tokenizer)."""
-    return " ".join(f"w{(offset + i) % NUM_WORDS}" for i in range(num_tokens))
+from vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, vocabulary
 
 
 def _save_tokenizer(path: Path) -> None:
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": len(SPECIAL_TOKENS) + i for i in range(NUM_WORDS)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from engine_harness import cacheable_prefix, run_engine, token_ids
-from model_factory import word_prompt
+from vocab import word_prompt
 
 pytestmark = pytest.mark.e2e
 
