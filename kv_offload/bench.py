@@ -42,7 +42,7 @@ class Model:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=sorted(BACKENDS), default="cpu")
+    parser.add_argument("--backend", choices=sorted([*BACKENDS, "filesystem"]), default="cpu")
     parser.add_argument("--model", choices=sorted(EXAMPLE_MODELS), default="llama-8b")
     parser.add_argument("--page-kib", type=int, default=None, metavar="N",
                         help="synthetic single-group model with N KiB pages (overrides --model)")
@@ -57,10 +57,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--fs-root", default="/tmp/kv-offload-bench",
+                        help="--backend filesystem: a directory on the disk to measure "
+                             "(not tmpfs); chunks are --page-kib KiB (default 2048)")
+    parser.add_argument("--chunks", type=int, default=256,
+                        help="--backend filesystem: number of chunks written and read")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print a table, write JSON; exit status 1 on any mismatch."""
+    if args.backend == "filesystem":  # tier vs raw O_DIRECT disk I/O; prints its own table
+        from kv_offload.backends.filesystem.bench import run_filesystem_bench
+
+        chunk = (args.page_kib or 2048) * 1024
+        result = run_filesystem_bench(args.fs_root, chunk, args.chunks, args.json)
+        return 0 if result["mismatches"] == 0 else 1
     result = BACKENDS[args.backend](args)
     print(format_table(result))
     if args.json:

@@ -20,3 +20,13 @@ def test_bench_reports_throughputs_ratios_and_zero_mismatches(tmp_path, capsys):
     assert result["mismatches"] == 0 and result["failed_keys"] == 0
     assert os.listdir(tmp_path / "root") == []  # it cleans up after itself
     assert "mismatches: 0" in capsys.readouterr().out
+
+
+def test_cli_bench_filesystem(tmp_path):
+    from kv_offload.cli import main
+
+    out = tmp_path / "fs.json"
+    status = main(["bench", "--backend", "filesystem", "--fs-root", str(tmp_path / "root"),
+                   "--chunks", "4", "--page-kib", "64", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert status == 0 and result["mismatches"] == 0 and result["read_ratio"] > 0
