@@ -40,6 +40,15 @@ class BlockCopier:
         else:
             self._cpu = CpuCopier(self.segments)
 
+    def close(self) -> None:
+        """Stop the copy threads (CPU); later copies start them again."""
+        if self.device.type != "cuda":
+            self._cpu.close()
+
+    def last_strategies(self, direction: Direction) -> tuple[str, ...]:
+        """The CPU strategies the last copy in `direction` used (for benchmarks)."""
+        return () if self.device.type == "cuda" else self._cpu.last_strategies.get(direction, ())
+
     @property
     def num_slots(self) -> int:
         return int(self.pool.shape[0])

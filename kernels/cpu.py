@@ -1,132 +1,226 @@
-"""CPU executor: moves a CopyPlan with a handful of large torch operations.
+"""CPU executor: moves a CopyPlan with a handful of large row-copy operations.
 
-For each segment (see geometry.py) the pairs are moved by the cheapest of four
-strategies, chosen by a simple cost rule (calls x call overhead + bytes / rate):
+For each segment (see geometry.py) the pairs become a few *ops*, by the
+cheapest of four strategies under a simple cost rule (calls x call overhead +
+rows x row overhead + bytes / rate):
 
 - runs:    one `copy_` per run where block ids and slot ids both advance by one;
 - gather:  one `index_select(out=...)` per stretch of consecutive destinations
            (a row-wise memcpy straight into the destination);
-- scatter: one `index_copy_` per stretch of consecutive sources;
-- staged:  both sides scattered: `index_select` a chunk into a small buffer
-           that stays in cache, then `index_copy_` it to the destination.
+- scatter: one numpy `dst[ids] = src[run]` per stretch of consecutive sources;
+- staged:  both sides scattered: `index_select` a chunk into a buffer that
+           stays in cache, then scatter it.
 
-No Python loop runs per page: loops are per run/stretch/chunk. torch spreads
-each large operation over its intra-op threads (both cores here).
+No Python loop runs per page: loops are per run, stretch or chunk. The ops are
+cut into equal shares for a small pool of threads (one per core, at most
+`MAX_THREADS`), each running its kernels single-threaded: torch's own
+intra-op threads would open a parallel region per row copy, and each region
+stalls whenever another process holds a core.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, stretches
+from kv_offload.kernels.geometry import Segment
+from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, argsort_ids, stretches
 
-# Cost rule constants (microseconds, bytes per microsecond), measured on a 2-core
-# EPYC with benchmarks/bench_cpu_backend.py; only their ratios matter.
-CALL_US = 6.0  # one torch call from Python, with its slicing
-ROW_US = 0.05  # per-row bookkeeping inside index_select / index_copy_
-COPY_RATE = 8000.0  # copy_ / index_select rows
-SCATTER_RATE = 5000.0  # index_copy_ (element-wise)
-STAGE_BYTES = 1 << 20  # staging chunk: fits in L2
+# Cost rule, single-threaded: microseconds per call and per row, bytes per microsecond
+# (2-core EPYC, see benchmarks/bench_cpu_backend.py); only the ratios matter.
+CALL_US = 4.0
+ROW_US = 0.15
+COPY_RATE = 12000.0  # copy_, index_select and numpy scatter rows
+STAGED_RATE = 6000.0  # both passes of the staged copy
+STAGE_BYTES = 1 << 20  # staging chunk: stays in L2
+MAX_THREADS = 4
+SPLIT_BYTES = 1 << 20  # smaller jobs run on one thread
 
 
 @dataclass(frozen=True)
-class Choice:
-    name: str
-    cost_us: float
+class Op:
+    """Rows `count` of one strategy: `src`/`dst` are a start row (int) or row ids."""
+
+    kind: str
+    src_view: torch.Tensor
+    dst_view: torch.Tensor
+    src: int | np.ndarray
+    dst: int | np.ndarray
+    count: int
+
+    def part(self, a: int, b: int) -> Op:
+        def cut(ids: int | np.ndarray) -> int | np.ndarray:
+            return ids + a if isinstance(ids, int) else ids[a:b]
+
+        return Op(self.kind, self.src_view, self.dst_view, cut(self.src), cut(self.dst), b - a)
 
 
-def choose(plan: GroupPlan, row_bytes: int,
-           only: str | None = None) -> tuple[str, tuple[np.ndarray, ...]]:
-    """The cheapest strategy for these pairs (or strategy `only`) and the arrays it needs."""
+def choose(plan: GroupPlan, row_bytes: int, src_rows: int,
+           only: str | None = None) -> tuple[str, list]:
+    """The cheapest strategy for these pairs (or strategy `only`) and its row
+    groups: (src, dst, count) with an int start or an id array on each side.
+    `src_rows` bounds the source ids."""
     n, total = plan.num_pairs, plan.num_pairs * row_bytes
-    options = {"runs": (len(plan.runs) * CALL_US + total / COPY_RATE, ())}
-    if len(plan.runs) > 1 or only:
-        dst_starts, dst_lengths = stretches(plan.dst)
-        options["gather"] = (len(dst_starts) * CALL_US + n * ROW_US + total / COPY_RATE,
-                             (dst_starts, dst_lengths))
-        by_src = np.argsort(plan.src, kind="stable")
-        src_starts, src_lengths = stretches(plan.src[by_src])
-        options["scatter"] = (len(src_starts) * CALL_US + n * ROW_US + total / SCATTER_RATE,
-                              (by_src, src_starts, src_lengths))
-        chunks = -(-total // STAGE_BYTES)
-        options["staged"] = (2 * chunks * CALL_US + 2 * n * ROW_US + total / COPY_RATE
-                             + total / (4 * SCATTER_RATE), ())
-    if only is not None and only not in options:
-        raise ValueError(f"unknown copy strategy {only!r}; expected one of {sorted(options)}")
-    name = only or min(options, key=lambda k: options[k][0])
-    return name, options[name][1]
+    ideal = total / COPY_RATE  # moving the bytes, with no overhead at all
+    costs = {"runs": len(plan.runs) * CALL_US + ideal}
+    if only or costs["runs"] > 1.05 * ideal:
+        rows = n * ROW_US + ideal
+        costs["gather"] = _count_stretches(plan.dst) * CALL_US + rows
+        if only or costs["gather"] > 1.05 * rows:  # else the destination is one stretch
+            by_src = argsort_ids(plan.src, src_rows)
+            src_sorted = plan.src if by_src is None else plan.src[by_src]
+            costs["scatter"] = _count_stretches(src_sorted) * CALL_US + rows
+            chunks = -(-total // STAGE_BYTES)
+            costs["staged"] = 2 * chunks * CALL_US + 2 * n * ROW_US + total / STAGED_RATE
+    if only is not None and only not in costs:
+        raise ValueError(f"unknown copy strategy {only!r}; expected one of {sorted(costs)}")
+    name = only or min(costs, key=costs.__getitem__)
+    return name, _row_groups(name, plan, src_rows)
+
+
+def _count_stretches(ids: np.ndarray) -> int:
+    return 1 + int(np.count_nonzero(np.diff(ids) != 1)) if ids.size else 0
+
+
+def _row_groups(name: str, plan: GroupPlan, src_rows: int) -> list:
+    if name == "runs":
+        return [(s, d, k) for s, d, k in plan.runs.tolist()]
+    if name == "staged":
+        return [(plan.src, plan.dst, plan.num_pairs)]
+    if name == "gather":
+        starts, lengths = stretches(plan.dst)
+        return [(plan.src[a:a + k], int(plan.dst[a]), k)
+                for a, k in zip(starts.tolist(), lengths.tolist())]
+    order = argsort_ids(plan.src, src_rows)
+    src, dst = (plan.src, plan.dst) if order is None else (plan.src[order], plan.dst[order])
+    starts, lengths = stretches(src)
+    return [(int(src[a]), dst[a:a + k], k) for a, k in zip(starts.tolist(), lengths.tolist())]
 
 
 class CpuCopier:
     """Executes CopyPlans between engine views and host views on the CPU.
 
-    Thread-safe: concurrent calls (a store and a load) each get their own
-    staging buffer."""
+    Thread-safe: a store and a load may run at once, each on its own pool."""
 
-    def __init__(self, segments: list[list]) -> None:
+    def __init__(self, segments: list[list[Segment]], threads: int | None = None,
+                 split_bytes: int = SPLIT_BYTES) -> None:
         self._segments = segments
-        self._local = threading.local()
+        self.threads = threads or max(1, min(MAX_THREADS, os.cpu_count() or 1,
+                                             torch.get_num_threads()))
+        self.split_bytes = split_bytes
+        self._pools: dict[Direction, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+        self.last_strategies: dict[Direction, tuple[str, ...]] = {}  # for benchmarks
 
     def copy(self, plan: CopyPlan, strategy: str | None = None) -> int:
         """Move every pair of `plan` (by `strategy`, default the cost rule's pick);
         returns the real bytes moved."""
+        ops = []
         for group_plan in plan.groups:
             for segment in self._segments[group_plan.group]:
-                if plan.direction is Direction.STORE:
-                    src, dst = segment.engine, segment.host
-                else:
-                    src, dst = segment.host, segment.engine
-                self.copy_rows(src, dst, group_plan, strategy)
+                src, dst = ((segment.engine, segment.host) if plan.direction is Direction.STORE
+                            else (segment.host, segment.engine))
+                name, groups = choose(group_plan, segment.block_bytes, src.shape[0], strategy)
+                ops += [Op(name, src, dst, s, d, k) for s, d, k in groups]
+        self.last_strategies[plan.direction] = tuple(sorted({op.kind for op in ops}))
+        shares = _shares(ops, self.threads if plan.num_bytes >= self.split_bytes else 1)
+        pool = self._pool(plan.direction)
+        for future in [pool.submit(_run_ops, share) for share in shares]:
+            future.result()  # re-raises a failed share's exception
         return plan.num_bytes
 
-    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan,
-                  strategy: str | None = None) -> str:
-        """dst[plan.dst[i]] = src[plan.src[i]] for every pair, by `strategy` (default:
-        the cheapest by the cost rule); returns the strategy used."""
-        row_bytes = src[0].numel() * src.element_size()
-        name, extra = choose(plan, row_bytes, strategy)
-        getattr(self, "_" + name)(src, dst, plan, *extra)
-        return name
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.shutdown()
 
-    @staticmethod
-    def _runs(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan) -> None:
-        for s, d, k in plan.runs.tolist():
-            dst[d:d + k].copy_(src[s:s + k])
+    def _pool(self, direction: Direction) -> ThreadPoolExecutor:
+        with self._lock:
+            if direction not in self._pools:
+                self._pools[direction] = ThreadPoolExecutor(
+                    self.threads, f"kv-offload-copy-{direction.value}",
+                    initializer=serial_torch_thread)
+            return self._pools[direction]
 
-    @staticmethod
-    def _gather(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan,
-                starts: np.ndarray, lengths: np.ndarray) -> None:
-        src_ids = torch.from_numpy(plan.src)
-        for a, k in zip(starts.tolist(), lengths.tolist()):
-            d = int(plan.dst[a])
-            torch.index_select(src, 0, src_ids[a:a + k], out=dst[d:d + k])
 
-    @staticmethod
-    def _scatter(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan,
-                 by_src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
-        src_sorted = plan.src[by_src]
-        dst_ids = torch.from_numpy(plan.dst[by_src])
-        for a, k in zip(starts.tolist(), lengths.tolist()):
-            s = int(src_sorted[a])
-            dst.index_copy_(0, dst_ids[a:a + k], src[s:s + k])
+def _shares(ops: list[Op], parts: int) -> list[list[Op]]:
+    """Cut the ops into `parts` shares of equal bytes, splitting an op at a row
+    boundary where a share ends."""
+    if parts <= 1:
+        return [ops] if ops else []
+    row_weight = [op.src_view[0].numel() for op in ops]
+    total = sum(op.count * w for op, w in zip(ops, row_weight))
+    shares: list[list[Op]] = [[] for _ in range(parts)]
+    done = 0
+    for op, weight in zip(ops, row_weight):
+        start = 0
+        while start < op.count:
+            index = min(parts - 1, done * parts // total)
+            end_of_share = -(-total * (index + 1) // parts)
+            rows = op.count - start
+            if index < parts - 1:
+                rows = min(rows, max(1, -(-(end_of_share - done) // weight)))
+            shares[index].append(op.part(start, start + rows))
+            start += rows
+            done += rows * weight
+    return [share for share in shares if share]
 
-    def _staged(self, src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan) -> None:
-        row_shape = src.shape[1:]
-        rows = max(1, STAGE_BYTES // (src[0].numel() * src.element_size()))
-        stage = self._stage(src.dtype, rows * src[0].numel()).view(rows, *row_shape)
-        src_ids, dst_ids = torch.from_numpy(plan.src), torch.from_numpy(plan.dst)
-        for a in range(0, plan.num_pairs, rows):
-            part = stage[:min(rows, plan.num_pairs - a)]
-            torch.index_select(src, 0, src_ids[a:a + rows], out=part)
-            dst.index_copy_(0, dst_ids[a:a + rows], part)
 
-    def _stage(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buffers = self._local.__dict__.setdefault("stage", {})
-        buf = buffers.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
-        return buf[:numel]
+_stage = threading.local()
+
+
+def _run_ops(ops: list[Op]) -> None:
+    for op in ops:
+        src, dst = op.src_view, op.dst_view
+        if op.kind == "runs":
+            dst[op.dst:op.dst + op.count].copy_(src[op.src:op.src + op.count])
+        elif op.kind == "gather":
+            torch.index_select(src, 0, torch.from_numpy(op.src),
+                               out=dst[op.dst:op.dst + op.count])
+        elif op.kind == "scatter":
+            dst.numpy()[op.dst] = src[op.src:op.src + op.count].numpy()
+        else:
+            _staged(src, dst, op.src, op.dst)
+
+
+def _staged(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,
+            dst_ids: np.ndarray) -> None:
+    row_numel = src[0].numel()
+    rows = max(1, STAGE_BYTES // (row_numel * src.element_size()))
+    buffers = _stage.__dict__.setdefault("buffers", {})
+    buf = buffers.get(src.dtype)
+    if buf is None or buf.numel() < rows * row_numel:
+        buf = buffers[src.dtype] = torch.empty(rows * row_numel, dtype=src.dtype)
+    stage = buf[:rows * row_numel].view(rows, *src.shape[1:])
+    ids = torch.from_numpy(src_ids)
+    target = dst.numpy()
+    for a in range(0, len(src_ids), rows):
+        part = stage[:min(rows, len(src_ids) - a)]
+        torch.index_select(src, 0, ids[a:a + rows], out=part)
+        target[dst_ids[a:a + rows]] = part.numpy()
+
+
+_serial_lock = threading.Lock()
+
+
+def serial_torch_thread() -> None:
+    """Make torch kernels on the calling thread single-threaded, leaving every
+    other thread as it was. `torch.set_num_threads` sets this thread's OpenMP
+    team size but also the default that threads starting later pick up; a
+    throwaway thread puts that default back."""
+    with _serial_lock:
+        torch.get_num_threads()  # first torch call of a thread resets its team size: do it now
+        default = [1]
+        probe = threading.Thread(target=lambda: default.__setitem__(0, torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        torch.set_num_threads(1)
+        restore = threading.Thread(target=torch.set_num_threads, args=(default[0],))
+        restore.start()
+        restore.join()

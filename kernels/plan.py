@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -25,18 +26,21 @@ IdsLike = Sequence[int] | np.ndarray | torch.Tensor
 class GroupPlan:
     """The validated pairs of one group, sorted by destination.
 
-    `src`/`dst` are row ids on each side (blocks or slots, by direction);
-    `runs` is an (n, 3) array of (src start, dst start, length) where both
-    sides are consecutive, in destination order."""
+    `src`/`dst` are row ids on each side (blocks or slots, by direction)."""
 
     group: int
     src: np.ndarray
     dst: np.ndarray
-    runs: np.ndarray
 
     @property
     def num_pairs(self) -> int:
         return int(self.src.size)
+
+    @cached_property
+    def runs(self) -> np.ndarray:
+        """(src start, dst start, length) rows where both sides step by one, in
+        destination order."""
+        return merge_runs(self.src, self.dst)
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def plan_copy(
     `TransferError` naming the group and the offending id."""
     if not isinstance(direction, Direction):
         raise TransferError(f"direction must be a Direction, got {direction!r}")
-    groups, total, seen_slots = [], 0, set()
+    groups, total = [], 0
     for group, ids in sorted(transfers.items()):
         if not isinstance(group, int) or not 0 <= group < len(block_bytes):
             raise TransferError(f"cache group {group!r} does not exist; there are "
@@ -77,18 +81,27 @@ def plan_copy(
             raise TransferError(f"group {group}: {blocks.size} block ids but {slots.size} "
                                 f"slot ids; expected one slot per block")
         if direction is Direction.STORE:
-            clash = seen_slots.intersection(slots.tolist())
-            if clash:
-                raise TransferError(f"group {group}: slot {min(clash)} is also written by "
-                                    f"another group in this job")
-            plan = _plan_group(group, blocks, slots, "slot")
-            seen_slots.update(plan.dst.tolist())
+            plan = pair_up(group, blocks, slots, "slot", num_slots)
         else:
-            plan = _plan_group(group, slots, blocks, "block")
+            plan = pair_up(group, slots, blocks, "block", num_blocks)
         if plan.num_pairs:
             groups.append(plan)
             total += plan.num_pairs * block_bytes[group]
+    if direction is Direction.STORE and len(groups) > 1:
+        _check_slots_disjoint(groups)
     return CopyPlan(direction, tuple(groups), total)
+
+
+def _check_slots_disjoint(groups: list[GroupPlan]) -> None:
+    """A slot holds one block of one group: no two groups may write it."""
+    slots = np.concatenate([g.dst for g in groups])
+    owner = np.concatenate([np.full(g.dst.size, g.group) for g in groups])
+    order = np.argsort(slots, kind="stable")
+    same = np.flatnonzero(np.diff(slots[order]) == 0)
+    if same.size:
+        i = order[same[0] + 1]
+        raise TransferError(f"group {int(owner[i])}: slot {int(slots[i])} is also written by "
+                            f"another group in this job")
 
 
 def _ids(values: IdsLike, kind: str, group: int, limit: int) -> np.ndarray:
@@ -108,9 +121,13 @@ def _ids(values: IdsLike, kind: str, group: int, limit: int) -> np.ndarray:
     return array
 
 
-def _plan_group(group: int, src: np.ndarray, dst: np.ndarray, dst_kind: str) -> GroupPlan:
-    order = np.lexsort((src, dst))
-    src, dst = src[order], dst[order]
+def pair_up(group: int, src: np.ndarray, dst: np.ndarray, dst_kind: str,
+            limit: int) -> GroupPlan:
+    """Checked ids -> a GroupPlan sorted by destination; exact repeats dropped,
+    two sources for one destination refused."""
+    order = argsort_ids(dst, limit)
+    if order is not None:
+        src, dst = src[order], dst[order]
     if dst.size > 1:
         repeat = (np.diff(dst) == 0) & (np.diff(src) == 0)
         if repeat.any():  # the same pair twice: move it once
@@ -121,7 +138,22 @@ def _plan_group(group: int, src: np.ndarray, dst: np.ndarray, dst_kind: str) -> 
             i = clash[0]
             raise TransferError(f"group {group}: {dst_kind} {int(dst[i])} would receive two "
                                 f"different sources ({int(src[i])} and {int(src[i + 1])})")
-    return GroupPlan(group, src, dst, merge_runs(src, dst))
+    return GroupPlan(group, src, dst)
+
+
+def argsort_ids(ids: np.ndarray, limit: int) -> np.ndarray | None:
+    """A stable argsort of ids in [0, limit), or None when they are sorted already.
+    Counting beats comparison sorting when the ids are dense: tens of microseconds
+    for thousands of ids instead of hundreds."""
+    if ids.size < 2 or not (np.diff(ids) < 0).any():
+        return None
+    if limit <= 8 * ids.size:
+        position = np.full(limit, -1, dtype=np.int64)
+        position[ids] = np.arange(ids.size)
+        present = np.flatnonzero(position >= 0)
+        if present.size == ids.size:  # no id repeats: this is the whole order
+            return position[present]
+    return np.argsort(ids, kind="stable")
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:

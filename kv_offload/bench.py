@@ -30,6 +30,9 @@ from kv_offload.example_models import EXAMPLE_MODELS, build_example
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
 
 POOL_FILL, ENGINE_FILL = 0x33, 0x5A  # what untouched bytes must still hold
+# Pause before each timed phase: after torch's parallel copy its OpenMP threads keep
+# spinning on the cores for milliseconds, which would slow whatever runs next.
+SETTLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,6 @@ def fill_pattern(buffer: torch.Tensor) -> None:
 
 def bench_cpu(args: argparse.Namespace) -> dict:
     from kv_offload.backends.cpu import CpuBackend
-    from kv_offload.kernels.cpu import choose
 
     rng = np.random.default_rng(args.seed)
     model, canonical, per_group = build_model(args)
@@ -147,18 +149,19 @@ def bench_cpu(args: argparse.Namespace) -> dict:
         times: dict[str, list[float]] = {"baseline": [], "store": [], "load": []}
         for rep in range(args.repeats):
             _progress(rep, args.repeats, model.name)
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             dst.copy_(src)
             times["baseline"].append(time.perf_counter() - start)
+            time.sleep(SETTLE_S)
             times["store"].append(_run_job(backend, backend.submit_store, stores))
+            time.sleep(SETTLE_S)
             times["load"].append(_run_job(backend, backend.submit_load, loads))
         print(file=sys.stderr)
         fill_pattern(model.buffer)
         mismatches = _verify(backend, canonical, model, stores, loads)
-        strategies = {d: sorted({choose(gp, seg.block_bytes)[0]
-                                 for gp in backend.copier.plan(_direction(d), j).groups
-                                 for seg in backend.copier.segments[gp.group]})
-                      for d, j in (("store", stores), ("load", loads))}
+        strategies = {d: list(backend.copier.last_strategies(_direction(d)))
+                      for d in ("store", "load")}
     finally:
         backend.close()
     best = {k: total / min(v) / 1e9 for k, v in times.items()}
@@ -212,7 +215,7 @@ def _verify(backend, canonical: CanonicalKVCaches, model: Model, stores, loads) 
     _run_job(backend, backend.submit_store, stores)
     bad = 0
     for g, (blocks, slots) in stores.items():
-        b, s = torch.from_numpy(np.asarray(blocks)), torch.from_numpy(np.asarray(slots))
+        b, s = torch.from_numpy(np.asarray(blocks)), torch.from_numpy(backend.pool_rows(slots))
         for ref, off in zip(canonical.group_refs[g], _slot_offsets(canonical, g)):
             engine = canonical.tensors[ref.tensor_idx].tensor
             page = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)
@@ -224,7 +227,7 @@ def _verify(backend, canonical: CanonicalKVCaches, model: Model, stores, loads) 
     model.buffer.fill_(ENGINE_FILL)
     _run_job(backend, backend.submit_load, loads)
     for g, (blocks, slots) in loads.items():
-        b, s = torch.from_numpy(np.asarray(blocks)), torch.from_numpy(np.asarray(slots))
+        b, s = torch.from_numpy(np.asarray(blocks)), torch.from_numpy(backend.pool_rows(slots))
         for ref, off in zip(canonical.group_refs[g], _slot_offsets(canonical, g)):
             engine = canonical.tensors[ref.tensor_idx].tensor
             page = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kv_offload.errors import TierRequestError
@@ -26,13 +27,13 @@ class Direction(enum.Enum):
     LOAD = "load"  # host slots -> engine blocks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockTransfer:
-    """The pairs of one cache group in a job."""
+    """The pairs of one cache group in a job (1-D int64 arrays, not to be modified)."""
 
     group: int
-    block_ids: tuple[int, ...]
-    slot_ids: tuple[int, ...]
+    block_ids: np.ndarray
+    slot_ids: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class TransferJob:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(t.block_ids) for t in self.transfers)
+        return sum(t.block_ids.size for t in self.transfers)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kv_offload.backends.cpu.pool import allocate_pool
+from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
 from kv_offload.kernels import BlockCopier, HostSlotLayout
@@ -44,6 +45,7 @@ class CpuBackend:
         self.layout = HostSlotLayout.from_canonical(canonical)
         self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin)
         self.copier = BlockCopier(canonical, self.pool, self.layout)
+        self.slot_map = SlotMap(self.num_slots)
         self._ids = itertools.count(1)
         self._finished: dict[int, TransferResult] = {}
         self._pending: set[int] = set()
@@ -73,7 +75,15 @@ class CpuBackend:
             raise TransferError(f"slot {slot} is out of range; expected 0 <= slot < "
                                 f"{self.num_slots}")
         size = self.slot_bytes if group is None else self.layout.group_bytes[group]
-        return self.pool[slot, :size]
+        return self.pool[int(self.slot_map.rows(np.int64(slot))), :size]
+
+    def pool_rows(self, slots: IdsLike) -> np.ndarray:
+        """The pool rows that hold these slots now (see slots.py): `pool[pool_rows(s)]`
+        are the slots' bytes. For tests and tools; tiers use `slot_buffer`."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+            raise TransferError(f"slot ids must be in [0, {self.num_slots})")
+        return self.slot_map.rows(slots)
 
     def submit_store(self, transfers: Transfers) -> int:
         """Start copying engine blocks into slots: `{group: (block_ids, slot_ids)}`."""
@@ -134,6 +144,7 @@ class CpuBackend:
             q.put(None)
         for worker in self._workers:
             worker.join()
+        self.copier.close()
 
     def __enter__(self) -> CpuBackend:
         return self
@@ -148,11 +159,11 @@ class CpuBackend:
     def _run(self, job: TransferJob) -> TransferResult:
         start = time.perf_counter()
         try:
-            plan = self.copier.plan(job.direction, {
-                t.group: (np.asarray(t.block_ids, dtype=np.int64),
-                          np.asarray(t.slot_ids, dtype=np.int64))
-                for t in job.transfers
+            checked = self.copier.plan(job.direction, {
+                t.group: (t.block_ids, t.slot_ids) for t in job.transfers
             })
+            physical = self.slot_map.physical(checked, self.copier.canonical.num_blocks)
+            plan = self.copier.plan(job.direction, physical)
             self.copier.submit(plan).wait()
         except Exception as exc:
             return _failure(job.job_id, job.direction, job.transfers,
@@ -175,21 +186,23 @@ def _block_transfers(transfers: Transfers) -> tuple[BlockTransfer, ...]:
     for group, pair in transfers.items():
         if not isinstance(pair, tuple) or len(pair) != 2:
             raise TransferError(f"group {group}: expected (block_ids, slot_ids), got {pair!r}")
-        out.append(BlockTransfer(group, _id_tuple(pair[0], group), _id_tuple(pair[1], group)))
+        out.append(BlockTransfer(group, _id_array(pair[0], group), _id_array(pair[1], group)))
     return tuple(out)
 
 
-def _id_tuple(ids: IdsLike, group: int) -> tuple[int, ...]:
-    array = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids)
-    if array.size and (array.ndim != 1 or array.dtype.kind not in "iu"):
+def _id_array(ids: IdsLike, group: int) -> np.ndarray:
+    array = np.array(ids.cpu() if isinstance(ids, torch.Tensor) else ids)  # a private copy
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
         raise TransferError(f"group {group}: ids must be a 1-D sequence of ints, got dtype "
                             f"{array.dtype} shape {array.shape}")
-    return tuple(array.reshape(-1).tolist())
+    return array.astype(np.int64, copy=False)
 
 
 def _failure(job_id: int, direction: Direction, transfers: tuple[BlockTransfer, ...],
              seconds: float, exc: Exception) -> TransferResult:
     logger.warning("kv-offload %s job %d failed: %s", direction.value, job_id, exc)
-    failed = tuple((t.group, t.block_ids) for t in transfers if t.block_ids)
+    failed = tuple((t.group, tuple(t.block_ids.tolist())) for t in transfers if t.block_ids.size)
     return TransferResult(job_id, direction, False, 0, seconds, failed,
                           f"{type(exc).__name__}: {exc}")

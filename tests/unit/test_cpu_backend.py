@@ -20,6 +20,11 @@ from kv_offload.transfer import Direction
 WAIT_S = 60  # generous: only reached if a worker hangs
 
 
+def logical_pool(backend: CpuBackend) -> torch.Tensor:
+    """The pool as the manager sees it: row i holds slot i (a copy)."""
+    return backend.pool[torch.from_numpy(backend.pool_rows(np.arange(backend.num_slots)))]
+
+
 @pytest.fixture
 def gemma():
     model = build_example("gemma3", 12)
@@ -33,15 +38,15 @@ def test_store_scribble_load_round_trip(gemma):
     with CpuBackend(canonical, 10 * (1 << 20)) as backend:
         assert backend.num_slots == 10 and backend.slot_bytes == 1 << 20
         stores = {0: ([7, 2, 9], [4, 0, 8]), 3: ([5], [1])}  # overlaid groups, one job
-        expected_pool = reference_store(canonical, backend.pool, stores)
+        expected_pool = reference_store(canonical, logical_pool(backend), stores)
         job = backend.submit_store(stores)
         (result,) = backend.wait([job], timeout=WAIT_S)
         assert result.success and result.direction is Direction.STORE
         assert result.num_bytes == 4 * canonical.data_bytes_per_block(0) and result.seconds >= 0
-        assert torch.equal(backend.pool, expected_pool)
+        assert torch.equal(logical_pool(backend), expected_pool)
         randomize(model.buffer, 2)
         loads = {0: ([3, 11], [8, 4]), 3: ([6], [1])}  # partial batch into other blocks
-        expected = reference_load(canonical, backend.pool, loads, model.buffer)
+        expected = reference_load(canonical, logical_pool(backend), loads, model.buffer)
         (result,) = backend.wait([backend.submit_load(loads)], timeout=WAIT_S)
         assert result.success and result.direction is Direction.LOAD
         assert torch.equal(model.buffer, expected)
@@ -95,11 +100,11 @@ def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
     with CpuBackend(canonical, 12 << 20) as backend:
         (r,) = backend.wait([backend.submit_store({1: (range(6, 12), range(6, 12))})])
         assert r.success
-        store_pairs = {0: (list(range(6)), list(range(6)))}
+        store_pairs = {0: (list(range(6))[::-1], list(range(6)))}
         load_pairs = {1: (list(range(6, 12))[::-1], list(range(6, 12)))}
-        expected_pool = reference_store(canonical, backend.pool, store_pairs)
+        expected_pool = reference_store(canonical, logical_pool(backend), store_pairs)
         # Group 1's blocks 6..11 and group 0's blocks 0..5 are disjoint engine bytes.
-        expected = reference_load(canonical, backend.pool, load_pairs, model.buffer)
+        expected = reference_load(canonical, logical_pool(backend), load_pairs, model.buffer)
         jobs, lock = [], threading.Lock()
 
         def submit(direction, pairs, count):
@@ -117,7 +122,7 @@ def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
         results = backend.wait(jobs, timeout=WAIT_S)
         assert [r.job_id for r in results] == jobs and all(r.success for r in results)
         assert {r.direction for r in results} == {Direction.STORE, Direction.LOAD}
-        assert torch.equal(backend.pool, expected_pool)
+        assert torch.equal(logical_pool(backend), expected_pool)
         assert torch.equal(model.buffer, expected)
 
 
@@ -151,6 +156,7 @@ def test_budget_sizes_the_pool(gemma):
         assert backend.pool.is_pinned() == torch.cuda.is_available()
         assert backend.slot_buffer(2).shape == (1 << 20,)
         assert backend.slot_buffer(2, group=0).data_ptr() == backend.pool[2].data_ptr()
+        assert backend.pool_rows([0, 1, 2]).tolist() == [0, 1, 2]
         with pytest.raises(TransferError, match="slot 3 is out of range"):
             backend.slot_buffer(3)
     with pytest.raises(ConfigError, match="smaller than one host slot"):
@@ -167,15 +173,37 @@ def test_pool_is_pinned_with_cuda(gemma):
 
 
 def test_many_random_jobs_match_reference():
+    """Stores reuse slots in new orders (each moves its slots' rows around, see
+    slots.py); slot buffers and loads always find the right bytes."""
     model = build_example("deepseek-mla", 6)
     randomize(model.buffer, 5)
     canonical = canonicalize(model.kv_caches, model.groups, 6)
     rng = np.random.default_rng(0)
     with CpuBackend(canonical, 5 * canonical.data_bytes_per_block(0)) as backend:
-        expected = backend.pool.clone()
-        for _ in range(5):
+        expected = logical_pool(backend)
+        for _ in range(6):
             blocks = rng.choice(6, size=3, replace=False).tolist()
             slots = rng.choice(5, size=3, replace=False).tolist()
             expected = reference_store(canonical, expected, {0: (blocks, slots)})
             assert backend.wait([backend.submit_store({0: (blocks, slots)})])[0].success
-        assert torch.equal(backend.pool, expected)
+            assert sorted(backend.pool_rows(range(5)).tolist()) == list(range(5))
+        assert torch.equal(logical_pool(backend), expected)
+        for slot in range(5):
+            assert torch.equal(backend.slot_buffer(slot), expected[slot])
+        randomize(model.buffer, 6)
+        loads = {0: ([5, 0, 3, 1, 2], [0, 1, 2, 3, 4])}
+        want = reference_load(canonical, expected, loads, model.buffer)
+        assert backend.wait([backend.submit_load(loads)])[0].success
+        assert torch.equal(model.buffer, want)
+
+
+def test_store_reads_engine_memory_in_address_order():
+    """A store hands its slots' rows out in block order: slot ids given in any
+    order, the rows come out sorted the same way as the blocks."""
+    model = build_example("llama-8b", 8)
+    canonical = canonicalize(model.kv_caches, model.groups, 8)
+    with CpuBackend(canonical, 4 * canonical.slot_bytes_per_block(0)) as backend:
+        blocks, slots = [6, 1, 7, 3], [0, 1, 2, 3]
+        assert backend.wait([backend.submit_store({0: (blocks, slots)})])[0].success
+        rows = backend.pool_rows(slots)
+        assert np.argsort(rows).tolist() == np.argsort(blocks).tolist()

@@ -25,6 +25,8 @@ from kv_offload.engine_alloc import (
 from kv_offload.errors import TransferError
 from kv_offload.example_models import EXAMPLE_MODELS, build_example
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout, copy_blocks
+from kv_offload.kernels.cpu import CpuCopier, Op, _shares
+from kv_offload.kernels.plan import argsort_ids
 
 STRATEGIES = ["runs", "gather", "scatter", "staged"]
 
@@ -68,7 +70,8 @@ def reference_load(canonical, pool: torch.Tensor, transfers, buffer: torch.Tenso
     return expected
 
 
-def round_trip(kv_caches, groups, num_blocks, buffer, seed=0, strategy=None, blocks_per_group=3):
+def round_trip(kv_caches, groups, num_blocks, buffer, seed=0, strategy=None, blocks_per_group=3,
+               threads=None):
     """Store some blocks of every group, scribble, load them into other blocks;
     compare pool and whole engine buffer with the page-by-page reference."""
     rng = np.random.default_rng(seed)
@@ -79,6 +82,8 @@ def round_trip(kv_caches, groups, num_blocks, buffer, seed=0, strategy=None, blo
     randomize(pool, seed + 1)
     randomize(buffer, seed + 2)
     copier = BlockCopier(canonical, pool, layout)
+    if threads:  # split every job into shares, however small
+        copier._cpu = CpuCopier(copier.segments, threads=threads, split_bytes=0)
     # A block id belongs to one group at a time: disjoint blocks per group, out of order.
     blocks = rng.permutation(num_blocks)[:len(groups) * blocks_per_group]
     slots = rng.permutation(num_slots)[:blocks.size]
@@ -120,11 +125,12 @@ def small_hybrid(layout: str, num_blocks: int):
     return caches, groups, buffer
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_strategy_on_hybrid_padded_model(strategy, layout):
+def test_every_strategy_on_hybrid_padded_model(strategy, layout, threads):
     caches, groups, buffer = small_hybrid(layout, 12)
-    canonical = round_trip(caches, groups, 12, buffer, strategy=strategy)
+    canonical = round_trip(caches, groups, 12, buffer, strategy=strategy, threads=threads)
     assert any(r.slot_bytes > r.page_size_bytes for refs in canonical.group_refs for r in refs)
 
 
@@ -210,6 +216,51 @@ def test_any_pairs_any_strategy_match_reference(data, strategy):
     expected = reference_load(canonical, pool, {0: (targets, slots)}, buffer)
     copier.copy(copier.plan(Direction.LOAD, {0: (targets, slots)}), strategy)
     assert torch.equal(buffer, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.tuples(st.integers(1, 9), st.sampled_from([1, 3])), max_size=6),
+       parts=st.integers(1, 4))
+def test_shares_cover_every_row_once(counts, parts):
+    views = {w: torch.zeros(1, w) for w in (1, 3)}
+    ops = [Op("scatter", views[w], views[w], 100 * i, np.arange(k) + 1000 * i, k)
+           for i, (k, w) in enumerate(counts)]
+    shares = _shares(ops, parts)
+    assert len(shares) <= parts
+    rows = sorted((op.src + r, int(op.dst[r])) for share in shares for op in share
+                  for r in range(op.count))
+    assert rows == sorted((100 * i + r, 1000 * i + r) for i, (k, _) in enumerate(counts)
+                          for r in range(k))
+    weights = [sum(op.count * op.src_view.shape[1] for op in share) for share in shares]
+    if weights:  # balanced to within one row of the heaviest kind
+        assert max(weights) - min(weights) <= 2 * 3 or len(shares) < parts
+
+
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(0, 40), max_size=30), spare=st.integers(0, 300))
+def test_argsort_ids_is_a_stable_argsort(ids, spare):
+    array = np.array(ids, dtype=np.int64)
+    order = argsort_ids(array, 41 + spare)
+    order = np.arange(array.size) if order is None else order
+    assert np.array_equal(order, np.argsort(array, kind="stable"))
+
+
+def test_copy_threads_leave_torch_threading_alone():
+    import threading
+
+    before = torch.get_num_threads()
+    canonical, _ = _small_canonical(4)
+    pool = torch.zeros(4, HostSlotLayout.from_canonical(canonical).slot_bytes, dtype=torch.int8)
+    copier = BlockCopier(canonical, pool)
+    copier.copy(copier.plan(Direction.STORE, {0: ([0, 1], [2, 3])}))
+    seen = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    assert torch.get_num_threads() == before and seen == [before]
+    pool_thread = copier._cpu._pool(Direction.STORE).submit(torch.get_num_threads).result()
+    assert pool_thread == 1  # the copy threads themselves run kernels single-threaded
+    copier.close()
 
 
 def test_repeated_pairs_and_repeated_source_blocks():
