@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_kernels import randomize, reference_load, reference_store
+from test_kernels import engine_page, randomize, reference_load, reference_store
 
 from kv_offload import canonicalize
 from kv_offload.backends.cpu import CpuBackend
@@ -207,3 +207,45 @@ def test_store_reads_engine_memory_in_address_order():
         assert backend.wait([backend.submit_store({0: (blocks, slots)})])[0].success
         rows = backend.pool_rows(slots)
         assert np.argsort(rows).tolist() == np.argsort(blocks).tolist()
+
+
+def test_with_the_offload_manager_slots_and_evictions(gemma):
+    """Slot ids come from the scheduler-side OffloadManager; evictions reuse slots
+    and every key that is still ready loads back its own bytes."""
+    from kv_offload.manager import OffloadManager
+
+    model, canonical = gemma
+    with CpuBackend(canonical, 4 << 20) as backend:
+        manager = OffloadManager(backend.num_slots)
+        pages = {}  # key -> the engine bytes of its block when it was stored
+
+        def store(blocks, group, tag):
+            keys = [(f"{tag}{b}".encode(), group) for b in blocks]
+            plan = manager.prepare_store(keys)
+            assert plan is not None and len(plan.slots) == len(blocks)
+            by_key = dict(zip(keys, blocks))
+            job = backend.submit_store({group: ([by_key[k] for k in plan.keys], plan.slots)})
+            (result,) = backend.wait([job], timeout=WAIT_S)
+            manager.complete_store(plan.keys, result.success)
+            for key in plan.keys:
+                refs = canonical.group_refs[group]
+                pages[key] = [engine_page(canonical, r, by_key[key]).clone() for r in refs]
+            return keys
+
+        first = store([3, 1, 2], 0, "a")
+        randomize(model.buffer, 9)
+        second = store([7, 8], 2, "b")  # 2 free slots left -> evicts the oldest key
+        assert manager.lookup([first[0]])[0].value == "absent"
+        ready = [k for k in first + second if manager.is_ready(k)]
+        assert len(ready) == 4
+        randomize(model.buffer, 10)
+        targets = {k: t for k, t in zip(ready, [0, 5, 9, 11])}
+        for group in (0, 2):
+            keys = [k for k in ready if k[1] == group]
+            slots = manager.prepare_load(keys)
+            job = backend.submit_load({group: ([targets[k] for k in keys], slots)})
+            assert backend.wait([job], timeout=WAIT_S)[0].success
+            manager.complete_load(keys)
+        for key in ready:
+            for ref, page in zip(canonical.group_refs[key[1]], pages[key]):
+                assert torch.equal(engine_page(canonical, ref, targets[key]), page)
