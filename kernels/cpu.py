@@ -68,6 +68,7 @@ def choose(plan: GroupPlan, row_bytes: int, src_rows: int,
     n, total = plan.num_pairs, plan.num_pairs * row_bytes
     ideal = total / COPY_RATE  # moving the bytes, with no overhead at all
     costs = {"runs": len(plan.runs) * CALL_US + ideal}
+    by_src = None
     if only or costs["runs"] > 1.05 * ideal:
         rows = n * ROW_US + ideal
         costs["gather"] = _count_stretches(plan.dst) * CALL_US + rows
@@ -80,14 +81,14 @@ def choose(plan: GroupPlan, row_bytes: int, src_rows: int,
     if only is not None and only not in costs:
         raise ValueError(f"unknown copy strategy {only!r}; expected one of {sorted(costs)}")
     name = only or min(costs, key=costs.__getitem__)
-    return name, _row_groups(name, plan, src_rows)
+    return name, _row_groups(name, plan, by_src)
 
 
 def _count_stretches(ids: np.ndarray) -> int:
     return 1 + int(np.count_nonzero(np.diff(ids) != 1)) if ids.size else 0
 
 
-def _row_groups(name: str, plan: GroupPlan, src_rows: int) -> list:
+def _row_groups(name: str, plan: GroupPlan, by_src: np.ndarray | None) -> list:
     if name == "runs":
         return [(s, d, k) for s, d, k in plan.runs.tolist()]
     if name == "staged":
@@ -96,8 +97,7 @@ def _row_groups(name: str, plan: GroupPlan, src_rows: int) -> list:
         starts, lengths = stretches(plan.dst)
         return [(plan.src[a:a + k], int(plan.dst[a]), k)
                 for a, k in zip(starts.tolist(), lengths.tolist())]
-    order = argsort_ids(plan.src, src_rows)
-    src, dst = (plan.src, plan.dst) if order is None else (plan.src[order], plan.dst[order])
+    src, dst = (plan.src, plan.dst) if by_src is None else (plan.src[by_src], plan.dst[by_src])
     starts, lengths = stretches(src)
     return [(int(src[a]), dst[a:a + k], k) for a, k in zip(starts.tolist(), lengths.tolist())]
 

@@ -162,8 +162,7 @@ class CpuBackend:
             checked = self.copier.plan(job.direction, {
                 t.group: (t.block_ids, t.slot_ids) for t in job.transfers
             })
-            physical = self.slot_map.physical(checked, self.copier.canonical.num_blocks)
-            plan = self.copier.plan(job.direction, physical)
+            plan = self.slot_map.physical(checked, self.copier.canonical.num_blocks)
             self.copier.submit(plan).wait()
         except Exception as exc:
             return _failure(job.job_id, job.direction, job.transfers,

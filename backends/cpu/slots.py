@@ -12,10 +12,11 @@ store of that same slot.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 
-from kv_offload.kernels.plan import CopyPlan, Direction, argsort_ids
+from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, argsort_ids
 
 
 class SlotMap:
@@ -28,11 +29,11 @@ class SlotMap:
         with self._lock:
             return self._rows[slots]
 
-    def physical(self, plan: CopyPlan,
-                 num_blocks: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """`{group: (block ids, pool rows)}` for a checked plan in slot ids. For a
-        store, first hand the plan's slots their own rows again, in block order."""
-        out = {}
+    def physical(self, plan: CopyPlan, num_blocks: int) -> CopyPlan:
+        """The same plan in pool rows instead of slot ids. A store first hands its
+        slots their own rows again, in block order. Both keep the plan's order
+        (sorted by destination) so nothing needs planning twice."""
+        groups = []
         with self._lock:
             for group in plan.groups:
                 if plan.direction is Direction.STORE:  # src: blocks, dst: distinct slots
@@ -43,7 +44,7 @@ class SlotMap:
                     blocks, slots = ((group.src, group.dst) if by_block is None
                                      else (group.src[by_block], group.dst[by_block]))
                     self._rows[slots] = rows
-                    out[group.group] = (blocks, rows)
-                else:  # src: slots, dst: blocks
-                    out[group.group] = (group.dst, self._rows[group.src])
-        return out
+                    groups.append(GroupPlan(group.group, blocks, rows))
+                else:  # src: slots, dst: blocks (sorted, distinct)
+                    groups.append(GroupPlan(group.group, self._rows[group.src], group.dst))
+        return replace(plan, groups=tuple(groups))
