@@ -31,8 +31,8 @@ import torch
 from kv_offload.kernels.geometry import Segment
 from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, argsort_ids, stretches
 
-# Cost rule, single-threaded: microseconds per call and per row, bytes per microsecond
-# (2-core EPYC, see benchmarks/bench_cpu_backend.py); only the ratios matter.
+# Cost rule, single-threaded: microseconds per call and per row, bytes per microsecond,
+# from timing each strategy on each access pattern (2-core EPYC); only ratios matter.
 CALL_US = 4.0
 ROW_US = 0.15
 COPY_RATE = 12000.0  # copy_, index_select and numpy scatter rows
@@ -42,7 +42,7 @@ MAX_THREADS = 4
 SPLIT_BYTES = 1 << 20  # smaller jobs run on one thread
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Op:
     """Rows `count` of one strategy: `src`/`dst` are a start row (int) or row ids."""
 
