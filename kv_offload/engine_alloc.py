@@ -120,10 +120,13 @@ def allocate_kv_caches(
         kernel_of.update((name, kernel) for name in group.layer_names)
     caches: dict[str, torch.Tensor] = {}
     for p in placements:
-        tokens = kernel_of[p.layers[0]] or p.spec.block_size
+        tokens = p.spec.block_size
+        if kernel_of[p.layers[0]] and not isinstance(p.spec, MambaSpec):  # Mamba never splits
+            tokens = kernel_of[p.layers[0]]
+            if p.spec.block_size % tokens:
+                raise ValueError(f"{p.layers[0]}: kernel block size {tokens} does not divide "
+                                 f"block size {p.spec.block_size}")
         ratio = p.spec.block_size // tokens
-        if isinstance(p.spec, MambaSpec) or ratio * tokens != p.spec.block_size:
-            ratio, tokens = 1, p.spec.block_size
         shape, strides = _page_shape_and_strides(p.spec, layout, tokens)
         block_stride = p.block_stride
         if ratio > 1:

@@ -21,12 +21,12 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the tables as JSON")
 
 
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
-    raise AssertionError("unreachable")
+    return f"{num_bytes:.1f} GiB"
 
 
 def inspect_model(name: str, layout: str, num_blocks: int) -> dict:

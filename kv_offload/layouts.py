@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_offload.errors import CanonicalizationError
-from kv_offload.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from kv_offload.specs import AttentionSpec, KVCacheSpec, MambaSpec, dtype_size
 
 CacheInput = torch.Tensor | Sequence[torch.Tensor]
 
@@ -117,8 +117,7 @@ def attention_layout(
         raise fail(name, cache, spec, "attention_layout needs an AttentionSpec")
     tensor = _single_tensor(name, cache, spec)
     real, slot = spec.real_page_size_bytes, spec.page_size_bytes
-    item = tensor.element_size()
-    k_bytes = spec.block_size * spec.num_kv_heads * spec.head_size * item
+    k_bytes = spec.block_size * spec.num_kv_heads * spec.head_size * dtype_size(spec.dtype)
     v_bytes = real - k_bytes
     candidates: list[list[LayerPages]] = []
     errors: list[str] = []

@@ -159,7 +159,7 @@ class TieredStore:
             for result in self.storage.poll():
                 kind, state = self._storage_jobs.pop(result.job_id)
                 if kind == "read":
-                    self._read_done(state, result.keys, result.succeeded)
+                    self._read_done(state, result.succeeded)
                 else:
                     self.manager.complete_load(list(state))  # written through: unpin
         done, self._done = self._done, []
@@ -171,8 +171,10 @@ class TieredStore:
         deadline = time.monotonic() + timeout
         while wanted - found.keys():
             for result in self.poll():
-                (found.__setitem__(result.job_id, result) if result.job_id in wanted
-                 else self._done.append(result))
+                if result.job_id in wanted:
+                    found[result.job_id] = result
+                else:
+                    self._done.append(result)  # someone else's: keep it for their poll
             if time.monotonic() > deadline:
                 raise TimeoutError(f"jobs {sorted(wanted - found.keys())} did not finish "
                                    f"within {timeout} s")
@@ -208,7 +210,7 @@ class TieredStore:
                 write = self.storage.submit_write([storage_key(k) for k in todo], buffers)
                 self._storage_jobs[write] = ("write", todo)
 
-    def _read_done(self, state, storage_keys, succeeded) -> None:
+    def _read_done(self, state, succeeded) -> None:
         load, keys = state
         ok = [k for k, good in zip(keys, succeeded) if good]
         bad = [k for k, good in zip(keys, succeeded) if not good]

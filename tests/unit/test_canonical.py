@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from byte_checks import canonicalize_and_check
+from byte_checks import canonicalize_and_check as check
 
 from kv_offload import (
     CanonicalizationError,
@@ -25,9 +25,6 @@ from kv_offload.engine_alloc import (
 from kv_offload.example_models import build_example, group_layers
 
 ATTN = dict(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
-
-
-check = canonicalize_and_check
 
 
 def names(prefix, n):
