@@ -45,6 +45,7 @@ class TieredResult:
     kind: str  # "store" | "load"
     success: bool
     failed: dict[int, list[int]] = field(default_factory=dict)
+    from_storage: int = 0  # load: keys read from the storage tier (the rest came from host)
 
 
 def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
@@ -61,6 +62,11 @@ def storage_key(key: OffloadKey) -> bytes:
     return bytes(block_hash) + group.to_bytes(2, "little")
 
 
+def offload_key(key: bytes) -> tuple[bytes, int]:
+    """The inverse of `storage_key` (block hashes come back as bytes)."""
+    return key[:-2], int.from_bytes(key[-2:], "little")
+
+
 @dataclass
 class _Load:
     """A load in flight: which blocks each key fills, and what is pinned."""
@@ -69,6 +75,7 @@ class _Load:
     targets: dict[OffloadKey, list[int]]  # key -> engine block ids
     pinned: list[OffloadKey] = field(default_factory=list)
     failed: list[OffloadKey] = field(default_factory=list)
+    from_storage: int = 0
 
 
 class TieredStore:
@@ -106,6 +113,12 @@ class TieredStore:
                       if self.storage and missing else [])
         return [Location.HOST if hit else (Location.STORAGE if next(stored, False)
                                            else Location.ABSENT) for hit in on_host]
+
+    def storage_keys(self) -> list[tuple[bytes, int]] | None:
+        """Every key the storage tier holds, or None (no storage tier, or one that cannot
+        list its keys)."""
+        keys = self.storage.keys() if self.storage is not None else None
+        return None if keys is None else [offload_key(k) for k in keys]
 
     def submit_store(self, requests: Requests) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held
@@ -218,6 +231,7 @@ class TieredStore:
         self.manager.complete_store(ok, True)
         self.manager.prepare_load(ok)
         load.pinned += ok
+        load.from_storage = len(ok)
         load.failed += bad
         self._load_from_host(load)
 
@@ -233,7 +247,8 @@ class TieredStore:
         self.manager.complete_load(load.pinned)
         failed_keys = load.failed + ([] if success else load.pinned)
         failed = _blocks_of({k: load.targets[k] for k in failed_keys})
-        self._done.append(TieredResult(load.job_id, "load", not failed, failed))
+        self._done.append(TieredResult(load.job_id, "load", not failed, failed,
+                                       load.from_storage))
 
 
 def _targets(requests: Requests) -> dict[OffloadKey, list[int]]:

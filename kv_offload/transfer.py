@@ -130,6 +130,11 @@ class StorageTier(ABC):
         Idempotent; submitting after close raises ``TierClosedError``.
         """
 
+    def keys(self) -> list[bytes] | None:
+        """Optional: every key held now, from memory (a connector reports them so its
+        scheduler can offer hits, e.g. after a restart). None: the tier cannot list."""
+        return None
+
 
 def check_tier_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> None:
     """Raise ``TierRequestError`` unless every key is non-empty ``bytes`` (of bounded length)."""

@@ -59,6 +59,11 @@ class KeyIndex:
         with self._lock:
             return [key in self._entries for key in keys]
 
+    def keys(self) -> list[bytes]:
+        """Every stored key (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
     def touch(self, key: bytes) -> bool:
         """Mark a stored key as just accessed; False if it is not stored."""
         with self._lock:

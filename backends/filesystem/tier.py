@@ -164,6 +164,9 @@ class FilesystemTier(StorageTier):
             counts,
         )
 
+    def keys(self) -> list[bytes]:
+        return self._index.keys()
+
     def file_path(self, key: bytes) -> str:
         """Where the file of ``key`` lives (whether or not it exists)."""
         return os.path.join(self._layout_dir, relative_path(key))

@@ -1,0 +1,235 @@
+"""KVOffloadConnector: vLLM 0.32's KV-connector interface over kv-offload's tiers.
+
+Load it with
+    --kv-transfer-config '{"kv_connector": "KVOffloadConnector",
+                           "kv_connector_module_path": "kv_offload.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": "16GiB"}}'
+
+vLLM builds one instance per role: the scheduler's (`OffloadScheduler`: hits, load and
+store plans, no tensors) and one per worker rank (`OffloadWorker`: canonicalised caches
+and the tiers). This class only routes vLLM's calls to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kv_offload.config import OffloadConfig, parse_config
+from kv_offload.errors import ConfigError
+from kv_offload.vllm import stats as offload_stats
+from kv_offload.vllm.metadata import KVOffloadMetadata
+from kv_offload.vllm.scheduler_side import OffloadScheduler
+from kv_offload.vllm.spec_translation import translate_groups
+from kv_offload.vllm.worker_side import OffloadWorker
+
+logger = logging.getLogger(__name__)
+
+
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads vLLM's KV cache to host memory and disk, and serves prefix hits from them."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("KVOffloadConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        transfer_config = vllm_config.kv_transfer_config
+        self.config = parse_config(transfer_config.kv_connector_extra_config)
+        _require_recompute_on_failure(transfer_config)
+        groups = translate_groups(kv_cache_config)
+        hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+        _check_block_size(self.config, hash_block_size)
+        parallel = vllm_config.parallel_config
+        world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self._scheduler: OffloadScheduler | None = None
+        self._worker: OffloadWorker | None = None
+        self._lookup_stats = offload_stats.KVOffloadStats()
+        if role == KVConnectorRole.SCHEDULER:
+            _warn_if_hashes_are_per_process(vllm_config)
+            self._scheduler = OffloadScheduler([g.spec for g in groups], hash_block_size,
+                                               world_size)
+        else:
+            rank = _worker_rank(parallel)
+            self._groups = groups
+            self._num_blocks = kv_cache_config.num_blocks
+            self._worker = OffloadWorker(self.config, rank,
+                                         _fingerprint_extra(vllm_config, kv_cache_config, rank))
+
+    # ---------------- properties ----------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best-effort cache: a dropped store is only a future miss
+
+    # ---------------- worker side ----------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register(kv_caches, self._groups, self._num_blocks)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Runs before every forward: last step's stores must be out of engine memory
+        # before vLLM can reuse their blocks.
+        self._worker.wait_for_engine_copies()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVOffloadMetadata)
+        if meta.reset:
+            self._worker.reset()
+        self._worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # stores copy whole blocks after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        self._worker.start_stores(meta.stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        finished, _ = self._worker.finished_loads()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Failed loads are reported per request (vLLM cannot map block ids back to
+        # requests with several cache groups); they are recomputed from scratch.
+        finished, failed = self._worker.finished_loads()
+        if failed:
+            logger.warning("kv-offload: %d request(s) will be recomputed: part of their KV "
+                           "could not be loaded", len(failed))
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # see get_transfer_results
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.report()
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._worker is not None:
+            return self._worker.take_stats()
+        if self._lookup_stats.is_empty():
+            return None
+        stats, self._lookup_stats = self._lookup_stats, offload_stats.KVOffloadStats()
+        return stats
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---------------- scheduler side ----------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens, load_async, lookup = self._scheduler.num_new_matched_tokens(
+            request, num_computed_tokens)
+        if lookup is not None and not load_async:  # a hit is counted once its source is known
+            self._lookup_stats.record_lookup(lookup.query_tokens, 0, 0, 0)
+        return tokens, load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0:
+            return {}
+        on_host = self._scheduler.source_of(request.request_id) == "host"
+        self._lookup_stats.record_lookup(request.num_tokens, num_external_tokens,
+                                         num_external_tokens if on_host else 0,
+                                         0 if on_host else num_external_tokens)
+        return {CacheHitSource.HOST if on_host else CacheHitSource.DISK: num_external_tokens}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.apply_worker_meta(connector_output.kv_connector_worker_meta)
+        self._scheduler.loads_finished(set(connector_output.finished_recving or ()),
+                                       set(connector_output.failed_recving or ()))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        return self._scheduler.request_finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, None]:
+        return self._scheduler.request_finished(request.request_id), None
+
+    def reset_cache(self) -> bool:
+        self._scheduler.reset()
+        return True
+
+    # ---------------- stats ----------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return offload_stats.build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return offload_stats.build_prom_metrics(vllm_config, metric_types, labelnames,
+                                                per_engine_labelvalues)
+
+
+def _require_recompute_on_failure(transfer_config: Any) -> None:
+    """vLLM's default policy fails a request whose load failed; ours is to recompute it."""
+    if transfer_config.kv_load_failure_policy != "recompute":
+        logger.warning("kv-offload: setting kv_load_failure_policy='recompute' (was %r): a "
+                       "failed or corrupt load is recomputed, never an error",
+                       transfer_config.kv_load_failure_policy)
+        transfer_config.kv_load_failure_policy = "recompute"
+
+
+def _check_block_size(config: OffloadConfig, engine_block_size: int) -> None:
+    if config.block_size is not None and config.block_size != engine_block_size:
+        raise ConfigError(
+            f"block_size={config.block_size}: the vLLM connector offloads whole engine "
+            f"blocks of {engine_block_size} tokens; leave block_size unset or set it to "
+            f"{engine_block_size}")
+
+
+def _worker_rank(parallel: Any) -> int:
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_pp_group().rank_in_group * parallel.tensor_parallel_size + \
+        get_tensor_model_parallel_rank()
+
+
+def _fingerprint_extra(vllm_config: Any, kv_cache_config: Any, rank: int) -> str:
+    """What, beyond the page layout, must match for stored bytes to be reusable: the
+    model (name, revision, config), dtype, hashing, parallel shape and this rank."""
+    import vllm
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    hf_config = xxhash.xxh3_64_hexdigest(model.hf_config.to_json_string().encode())
+    return "|".join(str(part) for part in (
+        model.model, model.revision, hf_config, model.dtype, kv_cache_config.kv_cache_layout,
+        vllm_config.cache_config.prefix_caching_hash_algo, kv_cache_config.hash_block_size,
+        f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}",
+        f"rank{rank}", f"vllm{vllm.__version__}"))
+
+
+def _warn_if_hashes_are_per_process(vllm_config: Any) -> None:
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if not algo.startswith("sha256") and "PYTHONHASHSEED" not in os.environ:
+        logger.warning("kv-offload: prefix_caching_hash_algo=%r seeds its hashes per process "
+                       "unless PYTHONHASHSEED is set: the disk tier will not hit across "
+                       "restarts", algo)

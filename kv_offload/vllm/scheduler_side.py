@@ -1,0 +1,249 @@
+"""The connector's scheduler side: hits, load plans and store plans. No tensors here.
+
+Keys are `(block hash, group)`, with vLLM's own block hashes (one per full
+`hash_block_size` chunk, chained over the prefix). The workers own the tiers; after each
+step every rank reports which keys became loadable and which stopped being loadable, and
+this side keeps a count per key: a key is a hit only when every rank holds it (each rank
+holds its own shard). A report can be one step late, so a hit may still fail to load: the
+worker then reports the request in `failed_recving` and vLLM recomputes it, and this side
+stops offering hits to that request.
+
+Blocks are stored in the step whose forward completes them (sliding-window blocks are freed
+by vLLM soon after), and only the blocks some future hit can load (`blocks_worth_storing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import lcm
+from typing import Any
+
+from kv_offload.hits import blocks_worth_storing, find_longest_cache_hit
+from kv_offload.specs import KVCacheSpec
+from kv_offload.vllm.metadata import (
+    ABSENT,
+    IN_HOST,
+    GroupBlocks,
+    KVOffloadMetadata,
+    KVOffloadWorkerMetadata,
+    OffloadKey,
+)
+
+NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
+
+
+@dataclass
+class _Request:
+    request: Any  # vllm Request: its block_hashes grow as tokens arrive
+    block_ids: list[list[int]] = field(default_factory=list)
+    considered: list[int] = field(default_factory=list)  # per group: blocks already planned
+    loading: bool = False
+    load_failed: bool = False
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """What `get_num_new_matched_tokens` learnt, for stats: hit tokens beyond the
+    engine's own prefix hit."""
+
+    query_tokens: int
+    hit_tokens: int
+
+
+class OffloadScheduler:
+    """Scheduler-side state of the connector (one per engine)."""
+
+    def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int) -> None:
+        self.specs = specs
+        self.hash_block_size = hash_block_size
+        self.world_size = world_size
+        self.align = lcm(*(spec.block_size for spec in specs))
+        for g, spec in enumerate(specs):
+            if spec.block_size % hash_block_size:
+                raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
+                                 f"of the hash block size {hash_block_size}")
+        self._holders: dict[OffloadKey, int] = {}  # key -> ranks that can load it
+        self._in_host: dict[OffloadKey, int] = {}  # key -> ranks holding it in host memory
+        self._ranks_reported: set[int] = set()
+        self._requests: dict[str, _Request] = {}
+        self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
+        self._loads: dict[str, GroupBlocks] = {}
+        self._reset = False
+
+    # --- hits ---
+
+    @property
+    def ready(self) -> bool:
+        """Every rank has reported its inventory (until then a lookup is asked again)."""
+        return len(self._ranks_reported) >= self.world_size
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                               ) -> tuple[int | None, bool, LookupResult | None]:
+        """(tokens to load beyond the engine's own hit, load asynchronously, stats)."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _Request(request)
+        if not self.ready:
+            return None, False, None
+        if state.load_failed or state.loading:
+            return 0, False, None
+        max_length = request.num_tokens - 1  # vLLM always computes the last token
+        hit = find_longest_cache_hit(self.specs, self._is_cached_fn(request), max_length)
+        result = LookupResult(request.num_tokens, max(0, hit.num_tokens - num_computed_tokens))
+        if hit.num_tokens <= num_computed_tokens:
+            return 0, False, result
+        self._pending_hits[request.request_id] = (hit, num_computed_tokens)
+        return hit.num_tokens - num_computed_tokens, True, result
+
+    def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
+                    num_external_tokens: int) -> None:
+        """Plan the load of a hit into the blocks vLLM just allocated for it."""
+        pending = self._pending_hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or pending is None:
+            return
+        hit, local_tokens = pending
+        plan: GroupBlocks = {}
+        for g, spec in enumerate(self.specs):
+            first = local_tokens // spec.block_size  # the engine has the blocks before this
+            hashes, ids = [], []
+            for i in hit.blocks[g]:
+                if i >= first and block_ids[g][i] != NULL_BLOCK_ID:
+                    hashes.append(self._hash_of(request, g, i))
+                    ids.append(block_ids[g][i])
+            if ids:
+                plan[g] = (hashes, ids)
+        self._loads[request.request_id] = plan
+        self._requests[request.request_id].loading = True
+
+    # --- stores and metadata ---
+
+    def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        """This step's loads (planned since the last call) and stores."""
+        self._track_block_ids(scheduler_output)
+        stores: GroupBlocks = {}
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
+            self._plan_stores(state, done, stores)
+        meta = KVOffloadMetadata(loads=self._loads, stores=stores, reset=self._reset)
+        self._loads, self._reset = {}, False
+        return meta
+
+    def _track_block_ids(self, scheduler_output: Any) -> None:
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = [list(ids) for ids in new.block_ids]
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            state = self._requests.get(req_id)
+            if state is None or new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = [list(ids) for ids in new_ids]
+            else:
+                for group_ids, more in zip(state.block_ids, new_ids):
+                    group_ids.extend(more)
+
+    def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
+        request = state.request
+        if not state.considered:
+            state.considered = [0] * len(self.specs)
+        num_hashes = len(request.block_hashes)
+        for g, spec in enumerate(self.specs):
+            per_block = spec.block_size // self.hash_block_size
+            full = min(computed_tokens // spec.block_size, num_hashes // per_block,
+                       len(state.block_ids[g]) if g < len(state.block_ids) else 0)
+            start = state.considered[g]
+            if full <= start:
+                continue
+            state.considered[g] = full
+            worth = blocks_worth_storing(spec, full, alignment_tokens=self.align)
+            hashes, ids = stores.setdefault(g, ([], []))
+            for i in worth:
+                block_id = state.block_ids[g][i]
+                if i < start or block_id == NULL_BLOCK_ID:
+                    continue
+                block_hash = self._hash_of(request, g, i)
+                if self._holders.get((block_hash, g), 0) < self.world_size:
+                    hashes.append(block_hash)
+                    ids.append(block_id)
+        for g in [g for g, (_, ids) in stores.items() if not ids]:
+            del stores[g]
+
+    # --- worker reports and request ends ---
+
+    def apply_worker_meta(self, meta: KVOffloadWorkerMetadata | None) -> None:
+        if meta is None:
+            return
+        for rank, changes in meta.changes.items():
+            self._ranks_reported.add(rank)
+            for key, old, new in changes:
+                _shift(self._holders, key, (new != ABSENT) - (old != ABSENT))
+                _shift(self._in_host, key, (new == IN_HOST) - (old == IN_HOST))
+
+    def source_of(self, request_id: str) -> str:
+        """'host' when every block of the request's planned load is in every rank's host
+        memory, else 'disk' (some of it is read from disk first)."""
+        plan = self._loads.get(request_id, {})
+        on_host = all(self._in_host.get((block_hash, g), 0) >= self.world_size
+                      for g, (hashes, _) in plan.items() for block_hash in hashes)
+        return "host" if on_host else "disk"
+
+    def loads_finished(self, finished: set[str], failed: set[str]) -> None:
+        for req_id in finished:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            state.loading = False
+            state.load_failed |= req_id in failed
+            if state.finished:
+                del self._requests[req_id]
+
+    def request_finished(self, request_id: str) -> bool:
+        """Whether vLLM must keep the request's blocks (a load into them is in flight;
+        they are freed when the load reports back)."""
+        state = self._requests.get(request_id)
+        self._pending_hits.pop(request_id, None)
+        if state is not None and state.loading:
+            state.finished = True
+            return True
+        self._requests.pop(request_id, None)
+        return False
+
+    def reset(self) -> None:
+        self._reset = True
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._holders)
+
+    # --- helpers ---
+
+    def _hash_of(self, request: Any, group: int, block: int) -> bytes:
+        per_block = self.specs[group].block_size // self.hash_block_size
+        return bytes(request.block_hashes[(block + 1) * per_block - 1])
+
+    def _is_cached_fn(self, request: Any):
+        hashes = request.block_hashes
+        holders, world = self._holders, self.world_size
+        per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
+
+        def is_cached(group: int, block: int) -> bool:
+            index = (block + 1) * per_block[group] - 1
+            return index < len(hashes) and holders.get((hashes[index], group), 0) >= world
+
+        return is_cached
+
+
+def _shift(counts: dict[OffloadKey, int], key: OffloadKey, delta: int) -> None:
+    if delta:
+        value = counts.get(key, 0) + delta
+        if value > 0:
+            counts[key] = value
+        else:
+            counts.pop(key, None)
