@@ -1,0 +1,256 @@
+"""Connector metrics: merging across ranks and steps, the log summary, transport, Prometheus."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorLogging,
+    KVConnectorStats,
+)
+
+from kv_offload.vllm.stats import (  # noqa: E402
+    COUNTERS,
+    KVOffloadPromMetrics,
+    KVOffloadStats,
+    build_prom_metrics,
+    build_stats,
+)
+
+GIB = 1 << 30
+
+
+def worker_stats(rank: int, load_bytes: int, host_used: int) -> KVOffloadStats:
+    stats = KVOffloadStats()
+    stats.record_load(blocks=4, nbytes=load_bytes, seconds=0.25, failed_blocks=rank)
+    stats.record_store(blocks=2, nbytes=1000, seconds=0.5, failed_blocks=rank // 2,
+                       skipped_blocks=3)
+    stats.set_usage(host_used, 8 * GIB, 0, 0, rank=rank)
+    return stats
+
+
+def scheduler_stats() -> KVOffloadStats:
+    stats = KVOffloadStats()
+    stats.record_lookup(query_tokens=1000, hit_tokens=256, host_tokens=192, disk_tokens=64)
+    stats.record_lookup(query_tokens=600, hit_tokens=0, host_tokens=0, disk_tokens=0)
+    return stats
+
+
+def test_ranks_and_scheduler_merge_like_vllm():
+    rank0, rank1 = worker_stats(0, 10_000, GIB), worker_stats(1, 30_000, 2 * GIB)
+    sched = scheduler_stats()
+    rank0_before = dict(rank0.data)
+    # KVOutputAggregator folds worker ranks, then the scheduler merges its own stats.
+    merged = rank0.aggregate(rank1).aggregate(sched)
+    assert rank0.data == rank0_before  # aggregate returns a new object
+    assert merged.count("load_jobs") == 2 and merged.count("load_blocks") == 8
+    assert merged.count("load_bytes") == 40_000 and merged.count("load_seconds") == 0.5
+    assert merged.count("load_failed_blocks") == 1 and merged.count("load_failed_jobs") == 1
+    assert merged.count("store_jobs") == 2 and merged.count("store_skipped_blocks") == 6
+    assert merged.count("lookups") == 2 and merged.count("query_tokens") == 1600
+    assert (merged.count("hit_tokens"), merged.count("hit_tokens_host"),
+            merged.count("hit_tokens_disk")) == (256, 192, 64)
+    # Each rank owns a pool: the usage gauges add up over ranks.
+    assert merged.usage("host_bytes_used") == 3 * GIB
+    assert merged.usage("host_bytes_total") == 16 * GIB
+    assert merged.usage("disk_bytes_used") == 0
+    assert sched.usage("host_bytes_used") is None
+
+
+def test_successive_steps_keep_the_latest_gauge_per_rank():
+    first, second = KVOffloadStats(), KVOffloadStats()
+    first.set_usage(100, 1000, 5, 50, rank=0)
+    first.set_usage(200, 1000, 0, 0, rank=1)
+    second.set_usage(300, 1000, 7, 50, rank=0)
+    merged = first.aggregate(second)
+    assert merged.usage("host_bytes_used") == 500  # rank 0 latest (300) + rank 1 (200)
+    assert merged.usage("disk_bytes_used") == 7
+    assert merged.usage("host_bytes_total") == 2000
+
+
+def test_empty_payloads_merge():
+    empty = build_stats({}).aggregate(build_stats(None))
+    assert empty.is_empty() and empty.data == {}
+    sched = scheduler_stats()
+    assert build_stats({}).aggregate(sched).data == sched.data
+    assert sched.aggregate(KVOffloadStats()).data == sched.data
+
+
+def test_is_empty_and_reset():
+    stats = KVOffloadStats()
+    assert stats.is_empty()
+    stats.set_usage(0, 0, 0, 0)
+    assert not stats.is_empty()  # a gauge set to 0 is still a report
+    stats.reset()
+    assert stats.is_empty()
+    stats.record_lookup(0, 0, 0, 0)
+    assert not stats.is_empty() and stats.count("lookups") == 1
+    stats.reset()
+    stats.record_store(blocks=0, nbytes=0, seconds=0.0)
+    assert stats.count("store_jobs") == 1
+
+
+def test_reduce_from_known_inputs():
+    stats = KVOffloadStats()
+    stats.record_lookup(1000, 250, 200, 50)
+    stats.record_load(blocks=10, nbytes=2_000_000_000, seconds=0.5, failed_blocks=2)
+    stats.record_store(blocks=1, nbytes=123, seconds=0.0, failed_blocks=1, skipped_blocks=4)
+    stats.set_usage(3 * GIB, 8 * GIB, 0, 0, rank=0)
+    summary = stats.reduce()
+    assert summary == {
+        "Lookups": 1,
+        "Hit rate (%)": 25.0,
+        "Hit tokens": 250,
+        "Disk hit tokens": 50,
+        "Load GB/s": 4.0,
+        "Store GB/s": 0.0,  # no measured time: no rate
+        "Failed blocks (load/store)": 3,
+        "Skipped store blocks": 4,
+        "Host used (GiB)": 3.0,  # no disk budget: no disk entry
+    }
+    stats.set_usage(GIB, 2 * GIB, GIB // 2, 4 * GIB, rank=1)
+    summary = stats.reduce()
+    assert summary["Host used (GiB)"] == 4.0 and summary["Disk used (GiB)"] == 0.5
+    assert KVOffloadStats().reduce()["Hit rate (%)"] == 0.0
+
+
+def test_bad_input_names_the_offender():
+    stats = KVOffloadStats()
+    with pytest.raises(TypeError, match="KVConnectorStats"):
+        stats.aggregate(KVConnectorStats(data={"lookups": 1}))
+    with pytest.raises(ValueError, match="'bogus'"):
+        build_stats({"bogus": 1})
+    with pytest.raises(ValueError, match="'host_bytes_used@x'"):
+        build_stats({"host_bytes_used@x": 1})
+    with pytest.raises(TypeError, match="'lookups'.*str"):
+        build_stats({"lookups": "3"})
+    with pytest.raises(TypeError, match="'lookups'.*bool"):
+        build_stats({"lookups": True})
+    with pytest.raises(ValueError, match="nbytes"):
+        stats.record_load(blocks=1, nbytes=-5, seconds=0.1)
+    with pytest.raises(ValueError, match="rank"):
+        stats.set_usage(1, 2, 0, 0, rank=-1)
+    assert stats.is_empty()  # rejected calls changed nothing
+
+
+def full_stats() -> KVOffloadStats:
+    """Every counter moved, ints and floats, gauges of two ranks."""
+    stats = worker_stats(1, 4096, GIB).aggregate(worker_stats(2, 1, 0)).aggregate(
+        scheduler_stats())
+    assert set(COUNTERS) <= set(stats.data)
+    assert {type(v) for v in stats.data.values()} == {int, float}
+    return stats
+
+
+def test_pickle_round_trip():
+    stats = full_stats()
+    again = pickle.loads(pickle.dumps(stats))
+    assert type(again) is KVOffloadStats and again == stats
+    assert pickle.loads(pickle.dumps(stats.to_dict())) == stats.data
+
+
+def test_payload_survives_vllm_msgpack_transport():
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    stats = full_stats()
+    outputs = EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=stats.to_dict()))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    payload = decoded.scheduler_stats.kv_connector_stats
+    assert payload == stats.data
+    assert {k: type(v) for k, v in payload.items()} == {k: type(v) for k, v in stats.data.items()}
+    assert build_stats(payload) == stats
+
+
+class _ConnectorClassView:
+    """What KVConnectorLogging reads from the connector class: its stats builder."""
+
+    build_kv_connector_stats = staticmethod(build_stats)
+
+
+def test_vllm_log_line_over_two_steps():
+    logging = KVConnectorLogging(None)
+    logging.connector_cls = _ConnectorClassView
+    step1, step2 = KVOffloadStats(), KVOffloadStats()
+    step1.record_lookup(100, 50, 50, 0)
+    step1.set_usage(GIB, 4 * GIB, 0, 0, rank=0)
+    step2.record_lookup(100, 0, 0, 0)
+    step2.set_usage(2 * GIB, 4 * GIB, 0, 0, rank=0)
+    logging.observe(step1.to_dict())
+    logging.observe(step2.to_dict())
+    lines: list[str] = []
+    logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1
+    assert "Lookups=2" in lines[0] and "Hit rate (%)=25.0" in lines[0]
+    assert "Host used (GiB)=2.0" in lines[0]  # the latest step, not the sum of steps
+    logging.log(log_fn=lines.append)
+    assert len(lines) == 1  # accumulator was reset: nothing more to log
+
+
+def registry_metric_types(registry: CollectorRegistry) -> dict[type, type]:
+    """prometheus_client classes that register into `registry` instead of the global one."""
+
+    def bound(cls: type) -> type:
+        return type(cls.__name__, (cls,), {
+            "__init__": lambda self, *a, **kw: cls.__init__(self, *a, registry=registry, **kw)
+        })
+
+    return {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+
+
+def kv_vllm_config() -> VllmConfig:
+    return VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KVOffloadConnector", kv_connector_module_path="kv_offload.vllm",
+        kv_role="kv_both"))
+
+
+def test_prometheus_counters_add_up_and_gauges_follow():
+    registry = CollectorRegistry()
+    metrics = build_prom_metrics(kv_vllm_config(), registry_metric_types(registry),
+                                 ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    assert isinstance(metrics, KVOffloadPromMetrics)
+
+    def sample(name: str, engine: str = "0", **labels: str) -> float | None:
+        return registry.get_sample_value(
+            f"vllm:kv_offload_{name}", {"model_name": "m", "engine": engine, **labels})
+
+    step = KVOffloadStats()
+    step.record_lookup(1000, 256, 192, 64)
+    step.record_load(blocks=4, nbytes=4096, seconds=0.25, failed_blocks=1)
+    step.record_store(blocks=2, nbytes=2048, seconds=0.5, failed_blocks=2, skipped_blocks=1)
+    step.set_usage(100, 1000, 10, 500, rank=0)
+    step.set_usage(200, 1000, 0, 500, rank=1)
+    metrics.observe(step.to_dict(), engine_idx=0)
+    later = KVOffloadStats()
+    later.record_lookup(24, 24, 24, 0)
+    metrics.observe(later.to_dict(), engine_idx=0)
+
+    assert sample("hit_tokens_total", tier="host") == 216
+    assert sample("hit_tokens_total", tier="disk") == 64
+    assert sample("query_tokens_total") == 1024
+    assert sample("loaded_bytes_total") == 4096 and sample("stored_bytes_total") == 2048
+    assert sample("load_seconds_total") == 0.25 and sample("store_seconds_total") == 0.5
+    assert sample("failed_blocks_total", direction="load") == 1
+    assert sample("failed_blocks_total", direction="store") == 2
+    # Gauges: ranks summed; a step without usage leaves them as they were.
+    assert sample("tier_bytes_used", tier="host") == 300
+    assert sample("tier_bytes_total", tier="host") == 2000
+    assert sample("tier_bytes_used", tier="disk") == 10
+    assert sample("tier_bytes_total", tier="disk") == 1000
+    # The other engine has its own children, untouched.
+    assert sample("query_tokens_total", engine="1") == 0
+    metrics.observe({}, engine_idx=1)
+    assert sample("query_tokens_total", engine="1") == 0
+
+    newer = KVOffloadStats()
+    newer.set_usage(50, 1000, 0, 0, rank=0)
+    metrics.observe(newer.to_dict(), engine_idx=0)
+    assert sample("tier_bytes_used", tier="host") == 50
+    assert sample("query_tokens_total") == 1024
