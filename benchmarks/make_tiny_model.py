@@ -4,8 +4,8 @@
     python benchmarks/make_tiny_model.py --arch llama --out /tmp/kvo-big \
         --layers 8 --hidden 1024 --heads 16 --kv-heads 4
 
-Prompts for these models are words "w0 w1 ..." (see tests/e2e/vocab.py). The builders live
-with the e2e tests, which are their main user; this script only exposes them on the command line.
+Prompts for these models are words "w0 w1 ..." (`kv_offload.tiny_vocab.word_prompt`). The
+builders live in `kv_offload.tiny_models`; this script only exposes them on the command line.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-
-from model_factory import BUILDERS  # noqa: E402
+from kv_offload.tiny_models import BUILDERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,13 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, help="key/value heads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    overrides = {
-        "num_layers": args.layers,
-        "hidden_size": args.hidden,
-        "num_heads": args.heads,
-        "num_kv_heads": args.kv_heads,
-    }
-    kwargs = {k: v for k, v in overrides.items() if v is not None}
+    sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+             "kv_heads": args.kv_heads}
+    kwargs = {k: v for k, v in sizes.items() if v is not None}
     path = BUILDERS[args.arch](args.out, seed=args.seed, **kwargs)
     print(path)
     return 0

@@ -1,23 +1,11 @@
-"""The word-level vocabulary of the tiny e2e models, and prompts built from it.
+"""The tiny models' vocabulary and prompts, for the e2e tests (lives in kv_offload.tiny_vocab)."""
 
-Kept free of heavy imports so test modules can build prompts at collection time.
-"""
-
-from __future__ import annotations
-
-NUM_WORDS = 500
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(len(SPECIAL_TOKENS))
-VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_WORDS
-
-
-def word_prompt(num_tokens: int, offset: int = 0) -> str:
-    """A prompt of exactly `num_tokens` word tokens (our tokenizer adds no BOS)."""
-    return " ".join(f"w{(offset + i) % NUM_WORDS}" for i in range(num_tokens))
-
-
-def vocabulary() -> dict[str, int]:
-    """Token -> id: the special tokens first, then "w0".."w499"."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": len(SPECIAL_TOKENS) + i for i in range(NUM_WORDS)})
-    return vocab
+from kv_offload.tiny_vocab import (  # noqa: F401  (re-exported for the tests)
+    BOS_ID,
+    EOS_ID,
+    NUM_WORDS,
+    PAD_ID,
+    VOCAB_SIZE,
+    vocabulary,
+    word_prompt,
+)

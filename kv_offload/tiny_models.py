@@ -1,0 +1,142 @@
+"""Tiny local models with random weights that vLLM loads with no download.
+
+Each builder writes a Hugging Face model directory: a config, random weights from a fixed
+seed (safetensors) and a word-level tokenizer (see tiny_vocab.py). Sizes are keyword
+arguments so tests use a very small model and benchmarks or the demo a bigger one.
+transformers and tokenizers (installed with vllm) are imported only inside the builders, so
+`import kv_offload` never needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kv_offload.tiny_vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, vocabulary, word_prompt
+
+__all__ = ["BUILDERS", "build_gemma3", "build_llama", "word_prompt"]
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    fast.save_pretrained(str(path))
+
+
+def _save(model: Any, path: Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a progress bar for a few MB is noise
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    _save_tokenizer(path)
+    return path
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype (expected e.g. 'bfloat16')")
+    return dtype
+
+
+def build_llama(
+    path: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """A Llama-like decoder with random weights; head size is `hidden // heads`.
+
+    `kv_heads < heads` gives grouped-query attention; `intermediate` defaults to 2 * hidden.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(_torch_dtype(dtype))
+    return _save(model, Path(path))
+
+
+def build_gemma3(
+    path: str | Path,
+    *,
+    layers: int = 4,
+    full_attention_every: int = 2,
+    sliding_window: int = 64,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """A Gemma3-like text model mixing sliding-window and full-attention layers.
+
+    Every `full_attention_every`-th layer is full attention, the others slide over
+    `sliding_window` tokens, so vLLM builds two KV-cache groups.
+    """
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    layer_types = [
+        "full_attention" if (i + 1) % full_attention_every == 0 else "sliding_attention"
+        for i in range(layers)
+    ]
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        max_position_embeddings=max_positions,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    model = Gemma3ForCausalLM(config).to(_torch_dtype(dtype))
+    return _save(model, Path(path))
+
+
+BUILDERS: dict[str, Callable[..., Path]] = {"llama": build_llama, "gemma3": build_gemma3}
