@@ -1,4 +1,4 @@
-"""The `kv-offload` command: `inspect` the canonical view, `bench` the backends."""
+"""The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` backends."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-offload", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    from kv_offload.demo import add_demo_arguments, run_demo
+
+    demo = commands.add_parser("demo", help="vLLM with the connector: cold, CPU-tier, disk passes")
+    add_demo_arguments(demo)
+    demo.set_defaults(run=run_demo)
 
     from kv_offload.inspect_cmd import add_inspect_arguments, run_inspect
 

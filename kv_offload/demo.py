@@ -1,0 +1,277 @@
+"""`kv-offload demo`: the KV cache served back from host memory and from disk, on this machine.
+
+Builds a small local Llama-like model (random weights, no download, cached under
+~/.cache/kv-offload), then runs the real vLLM engine with KVOffloadConnector over the same long
+prompts three times:
+
+  cold     first pass, every token is computed (and stored by the connector);
+  cpu      after `llm.reset_prefix_cache()`: vLLM's own cache is gone, ours is not;
+  disk     a new engine process with the same disk directory: only the disk tier remains.
+
+Every engine runs in a child process (`python -m kv_offload.demo --child SPEC`) so vLLM's logs
+stay quiet and its process rules hold. Greedy decoding: each pass must give the cold tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kv_offload.tiny_vocab import word_prompt
+
+# Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2},
+    "small": {"layers": 6, "hidden": 768, "heads": 12, "kv_heads": 4},
+}
+DEFAULT_PROMPT_TOKENS = {"tiny": 300, "small": 1500}
+ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB", "fs_bytes_to_use": "4GiB"}
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One pass over all prompts, as printed in the table and written to JSON."""
+
+    name: str
+    source: str
+    engine_process: int
+    prompt_tokens: int
+    cached_tokens: int
+    seconds: float
+    speedup: float
+    identical: bool
+    requests: list[dict[str, Any]]
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                        help="size of the local random-weight model (default: small)")
+    parser.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
+    parser.add_argument("--prompt-tokens", type=int,
+                        help="tokens per prompt (default 1500, 300 for --model-size tiny)")
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per prompt")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="where the model is built (default ~/.cache/kv-offload)")
+    parser.add_argument("--work-dir", type=Path,
+                        help="engine logs and the disk tier (default: a temporary directory, "
+                             "removed afterwards)")
+    parser.add_argument("--no-connector", action="store_true",
+                        help="baseline: the same passes without KVOffloadConnector")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+
+
+def model_dir(size: str, cache_dir: Path | None = None) -> Path:
+    """The demo model for `size`, built on first use (and rebuilt if its sizes changed)."""
+    default_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kv-offload"
+    root = cache_dir or default_root
+    path = root / f"demo-model-{size}"
+    marker = path / "kv_offload_demo.json"
+    sizes = MODEL_SIZES[size]
+    if marker.exists() and json.loads(marker.read_text()) == sizes:
+        return path
+    from kv_offload.tiny_models import build_llama
+
+    print(f"building the {size} demo model in {path} ...", flush=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(root)))
+    build_llama(building, max_positions=4096, **sizes)
+    (building / marker.name).write_text(json.dumps(sizes))
+    shutil.rmtree(path, ignore_errors=True)
+    building.rename(path)  # whole or absent: an interrupted build leaves no half model
+    return path
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def kv_transfer_config(fs_root_dir: Path) -> dict[str, Any]:
+    """The `kv_transfer_config` the demo hands vLLM (what a user puts on the command line)."""
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": "kv_offload.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(fs_root_dir)},
+    }
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    prompt_tokens = args.prompt_tokens or DEFAULT_PROMPT_TOKENS[args.model_size]
+    # Distinct first words: no two prompts share a prefix block.
+    prompts = [word_prompt(prompt_tokens, offset=101 * i) for i in range(args.prompts)]
+    model = model_dir(args.model_size, args.cache_dir)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-demo-"))
+    try:
+        transfer = None if args.no_connector else kv_transfer_config(_mkdir(work / "disk"))
+        spec = {
+            "model": str(model),
+            "prompts": prompts,
+            "max_tokens": args.max_tokens,
+            "max_model_len": _round_up(prompt_tokens + args.max_tokens + 1, ENGINE_BLOCK_SIZE),
+            "kv_transfer_config": transfer,
+        }
+        first = _run_child({**spec, "passes": ["cold", "cpu"]}, work / "engine1")
+        second = _run_child({**spec, "passes": ["disk"]}, work / "engine2")
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    results = _pass_results(first["passes"] + second["passes"], args.no_connector)
+    _print_table(results, args, prompt_tokens, [first, second])
+    same = all(r.identical for r in results)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": {"path": str(model), "size": args.model_size, **MODEL_SIZES[args.model_size]},
+            "connector": not args.no_connector,
+            "kv_transfer_config": transfer,
+            "num_prompts": args.prompts,
+            "tokens_per_prompt": prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "engine_start_s": [first["engine_start_s"], second["engine_start_s"]],
+            "passes": [asdict(r) for r in results],
+            "outputs_identical": same,
+        }, indent=2))
+    if not same:
+        print("FAILED: generated tokens differ from the cold pass", file=sys.stderr)
+    return 0 if same else 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+SOURCES = {
+    "cold": "recompute",
+    "cpu": "kv-offload CPU tier",
+    "disk": "kv-offload disk tier",
+}
+
+
+def _pass_results(passes: list[dict[str, Any]], no_connector: bool) -> list[PassResult]:
+    cold = passes[0]
+    cold_tokens = [r["token_ids"] for r in cold["requests"]]
+    results = []
+    for process, p in zip((1, 1, 2), passes):
+        source = SOURCES[p["name"]]
+        if no_connector and p["name"] != "cold":
+            source = "recompute (no connector)"
+        results.append(PassResult(
+            name=p["name"],
+            source=source,
+            engine_process=process,
+            prompt_tokens=sum(r["prompt_len"] for r in p["requests"]),
+            cached_tokens=sum(r["num_cached_tokens"] for r in p["requests"]),
+            seconds=p["seconds"],
+            speedup=cold["seconds"] / p["seconds"],
+            identical=[r["token_ids"] for r in p["requests"]] == cold_tokens,
+            requests=p["requests"],
+        ))
+    return results
+
+
+def _print_table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: int,
+                 runs: list[dict[str, Any]]) -> None:
+    sizes = MODEL_SIZES[args.model_size]
+    mode = "without connector (baseline)" if args.no_connector else "with KVOffloadConnector"
+    print(f"\nkv-offload demo, {mode}: {args.prompts} prompts x {prompt_tokens} tokens, "
+          f"{args.max_tokens} generated each, greedy; Llama-like {sizes['layers']} layers, "
+          f"hidden {sizes['hidden']} (engine start {runs[0]['engine_start_s']:.1f} s, "
+          f"{runs[1]['engine_start_s']:.1f} s)\n")
+    header = ("pass", "engine", "source", "prompt tokens", "from cache", "seconds", "speed-up",
+              "same output")
+    rows = [
+        (r.name, f"process {r.engine_process}", r.source, str(r.prompt_tokens),
+         str(r.cached_tokens), f"{r.seconds:.3f}", f"{r.speedup:.1f}x",
+         "yes" if r.identical else "NO")
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print()
+
+
+def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run one engine over `spec` in `python -m kv_offload.demo --child` and return its results."""
+    _mkdir(work)
+    spec_path, result_path, log_path = work / "spec.json", work / "result.json", work / "engine.log"
+    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine in-process: ~2 s start
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with log_path.open("w") as log:
+        # cwd=work: a source checkout's top-level folders must not shadow installed packages.
+        proc = subprocess.run([sys.executable, "-m", "kv_offload.demo", "--child", str(spec_path)],
+                              cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not result_path.exists():
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(result_path.read_text())
+
+
+def child_main(spec_path: Path) -> int:
+    """Inside the engine process: start vLLM, run the passes, write the results."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(spec_path.read_text())
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        block_size=ENGINE_BLOCK_SIZE,
+        max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=512 * 1024 * 1024,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        seed=0,
+        kv_transfer_config=spec["kv_transfer_config"],
+    )
+    engine_start_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    # One short unrelated request first, so no pass pays the engine's first-call costs.
+    llm.generate([word_prompt(2 * ENGINE_BLOCK_SIZE, offset=499)], params, use_tqdm=False)
+    passes = []
+    for name in spec["passes"]:
+        if name == "cpu" and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        t0 = time.perf_counter()
+        outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        passes.append({"name": name, "seconds": seconds, "requests": [
+            {"prompt_len": len(out.prompt_token_ids),
+             "num_cached_tokens": out.num_cached_tokens,
+             "token_ids": list(out.outputs[0].token_ids)}
+            for out in outputs
+        ]})
+    Path(spec["result_path"]).write_text(json.dumps(
+        {"engine_start_s": engine_start_s, "passes": passes}))
+    # Let vLLM shut the engine down now: its finalizers call the connector's shutdown,
+    # which flushes pending disk writes before the next engine process reads them.
+    del llm
+    gc.collect()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv-offload demo", description=__doc__)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    add_demo_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        return child_main(args.child)
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
