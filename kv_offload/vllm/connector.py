@@ -101,10 +101,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         self._worker.start_stores(meta.stores)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        finished, _ = self._worker.finished_loads()
-        return None, finished or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Failed loads are reported per request (vLLM cannot map block ids back to
         # requests with several cache groups); they are recomputed from scratch.

@@ -60,7 +60,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 ],
             }
         )
-    return {"engine_start_s": engine_start_s, "passes": passes}
+    result = {"engine_start_s": engine_start_s, "passes": passes}
+    if spec.get("metrics_prefix"):  # needs engine_args {"disable_log_stats": False}
+        result["metrics"] = [
+            {"name": m.name, "labels": dict(m.labels), "value": m.value}
+            for m in llm.get_metrics()
+            if m.name.startswith(spec["metrics_prefix"]) and hasattr(m, "value")
+        ]
+    return result
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,154 @@
+"""KVOffloadConnector inside the real vLLM 0.32 CPU engine, loaded the way users load it
+(`kv_transfer_config` with `kv_connector_module_path`), no patch to vLLM.
+
+Every claim is checked against a run of the same engine without the connector: greedy
+tokens must be identical whether the KV came from recomputation, from our host tier, from
+our disk tier in a new process, or from a corrupted disk tier (which must be recomputed).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_harness import cacheable_prefix, run_engine, token_ids
+from vocab import word_prompt
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 8
+# Longer than gemma3's 64-token window, not multiples of the 32-token engine block.
+PROMPTS = [word_prompt(150), word_prompt(70, offset=200), word_prompt(260, offset=400)]
+MODELS = ["llama", "gemma3"]
+
+
+def connector_config(fs_root: Path | None, cpu_bytes: str = "64MiB") -> dict[str, Any]:
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes}
+    if fs_root is not None:
+        extra.update(fs_root_dir=str(fs_root), fs_bytes_to_use="256MiB")
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": "kv_offload.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def spec(model_dir: Path, passes: list[dict], kv_transfer_config: dict | None = None,
+         **extra: Any) -> dict[str, Any]:
+    engine_args: dict[str, Any] = {}
+    if kv_transfer_config is not None:
+        engine_args["kv_transfer_config"] = kv_transfer_config
+    engine_args.update(extra.pop("engine_args", {}))
+    return {"model": str(model_dir), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "passes": passes, "engine_args": engine_args, **extra}
+
+
+def cached(pass_result: dict[str, Any]) -> list[int]:
+    return [r["num_cached_tokens"] for r in pass_result["requests"]]
+
+
+def full_prefixes(pass_result: dict[str, Any]) -> list[int]:
+    return [cacheable_prefix(r["prompt_len"]) for r in pass_result["requests"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Per model: a run without the connector, and a connector run (cold pass, then a pass
+    after vLLM's own prefix cache was reset) writing through to a disk directory."""
+    out: dict[str, dict[str, Any]] = {}
+    for model in MODELS:
+        work = tmp_path_factory.mktemp(f"connector_{model}")
+        fs_root = work / "kv"
+        baseline = run_engine(spec(tiny_models[model], [{}]), work / "baseline")
+        offload = run_engine(
+            spec(tiny_models[model], [{}, {"reset_prefix_cache": True}],
+                 connector_config(fs_root), metrics_prefix="vllm:kv_offload",
+                 engine_args={"disable_log_stats": False}),
+            work / "offload")
+        out[model] = {"baseline": baseline, "offload": offload, "fs_root": fs_root,
+                      "work": work}
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_outputs_identical_with_connector(runs, model):
+    baseline = token_ids(runs[model]["baseline"]["passes"][0])
+    cold, from_host = runs[model]["offload"]["passes"]
+    assert cached(cold) == [0] * len(PROMPTS)
+    assert token_ids(cold) == baseline
+    assert token_ids(from_host) == baseline
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_reset_engine_cache_is_served_from_host_tier(runs, model):
+    """vLLM's own cache is empty after the reset: every cached token came from our tier,
+    and the hit covers the whole cacheable prefix (all but the last partial block)."""
+    _, from_host = runs[model]["offload"]["passes"]
+    assert cached(from_host) == full_prefixes(from_host)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_connector_metrics_reach_vllm_prometheus(runs, model):
+    metrics = runs[model]["offload"]["metrics"]
+    by_name: dict[str, float] = {}
+    for metric in metrics:
+        by_name[metric["name"]] = by_name.get(metric["name"], 0.0) + metric["value"]
+    _, from_host = runs[model]["offload"]["passes"]
+    assert by_name["vllm:kv_offload_hit_tokens"] == sum(cached(from_host))
+    assert by_name["vllm:kv_offload_loaded_bytes"] > 0
+    assert by_name["vllm:kv_offload_stored_bytes"] > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_new_process_is_served_from_disk(runs, tiny_models, model):
+    work = runs[model]["work"]
+    assert any(runs[model]["fs_root"].rglob("*.safetensors"))
+    fresh = run_engine(spec(tiny_models[model], [{}], connector_config(runs[model]["fs_root"])),
+                       work / "from_disk")
+    (first,) = fresh["passes"]
+    assert cached(first) == full_prefixes(first)
+    assert token_ids(first) == token_ids(runs[model]["baseline"]["passes"][0])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_corrupted_disk_files_are_recomputed(runs, tiny_models, model):
+    """Flip bytes inside the data of every stored file: each load fails its checksum, the
+    request is recomputed, outputs stay identical and the engine keeps running."""
+    work = runs[model]["work"]
+    corrupt_root = work / "kv_corrupt"
+    shutil.copytree(runs[model]["fs_root"], corrupt_root)
+    files = sorted(corrupt_root.rglob("*.safetensors"))
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF  # last bytes are page data, not the header
+        path.write_bytes(bytes(data))
+    result = run_engine(spec(tiny_models[model], [{}, {}], connector_config(corrupt_root)),
+                        work / "corrupt")
+    first, second = result["passes"]
+    baseline = token_ids(runs[model]["baseline"]["passes"][0])
+    assert token_ids(first) == baseline
+    assert token_ids(second) == baseline
+    assert cached(first) == [0] * len(PROMPTS)  # nothing usable was served
+    # The bad files were dropped, and the recomputed blocks were stored again.
+    log = (work / "corrupt" / "engine.log").read_text()
+    assert "will be recomputed" in log
+
+
+def test_tensor_parallel_2_host_tier(tiny_models, tmp_path):
+    """TP=2 (two worker processes, each with its own shard and pool): after the engine cache
+    reset, both ranks serve the whole prefix, and the tokens match the cold pass. (TP=2 is
+    compared with itself: its all-reduce rounds differently from TP=1 in bf16.)"""
+    result = run_engine(
+        spec(tiny_models["llama"], [{}, {"reset_prefix_cache": True}],
+             connector_config(None), engine_args={"tensor_parallel_size": 2}),
+        tmp_path / "tp2", multiprocess=True,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout_s=600)
+    cold, from_host = result["passes"]
+    assert cached(cold) == [0] * len(PROMPTS)
+    assert token_ids(from_host) == token_ids(cold)
+    assert cached(from_host) == full_prefixes(from_host)
