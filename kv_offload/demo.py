@@ -31,7 +31,7 @@ from kv_offload.tiny_vocab import word_prompt
 # Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2},
-    "small": {"layers": 6, "hidden": 768, "heads": 12, "kv_heads": 4},
+    "small": {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4},
 }
 DEFAULT_PROMPT_TOKENS = {"tiny": 300, "small": 1500}
 ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
