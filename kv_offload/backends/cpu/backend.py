@@ -1,6 +1,6 @@
 """CpuBackend: the primary tier, engine blocks <-> host-memory slots, asynchronously.
 
-One slot holds one block of one cache group (layout: kernels/geometry.py). The
+One slot holds one block of one cache group (layout: kv_offload/kernels/geometry.py). The
 scheduler-side manager hands out slot ids in `[0, num_slots)`; this class only
 moves bytes. Jobs run on two worker threads, one for stores and one for loads,
 so a load never queues behind a long store; jobs of one direction run in
