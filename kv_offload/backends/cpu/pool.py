@@ -8,6 +8,9 @@ from kv_offload.errors import ConfigError
 from kv_offload.kernels.geometry import HostSlotLayout
 
 
+PAGE_BYTES = 4096  # O_DIRECT alignment
+
+
 def cuda_present() -> bool:
     """Whether pinned memory is worth having (and possible)."""
     return torch.cuda.is_available()
@@ -19,7 +22,9 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
 
     Pinned (page-locked, so the GPU can DMA it and kernels can address it)
     when CUDA is present, unless `pin` says otherwise; plain memory otherwise.
-    The memory is not touched here: the OS commits pages on first write."""
+    The memory is not touched here: the OS commits pages on first write. The pool
+    starts on a page boundary (pinned memory always does) so the disk tier can read
+    and write slots with O_DIRECT."""
     if isinstance(cpu_bytes_to_use, bool) or not isinstance(cpu_bytes_to_use, int):
         raise ConfigError(f"cpu_bytes_to_use must be an int (bytes), got {cpu_bytes_to_use!r}")
     if layout.slot_bytes <= 0:
@@ -34,4 +39,9 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
     pin = cuda_present() if pin is None else pin
     if pin and not cuda_present():
         raise ConfigError("pinned host memory was asked for, but CUDA is not available")
-    return torch.empty((num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=pin)
+    if pin:
+        return torch.empty((num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=True)
+    nbytes = num_slots * layout.slot_bytes
+    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.int8)
+    shift = (-raw.data_ptr()) % PAGE_BYTES
+    return raw[shift:shift + nbytes].view(num_slots, layout.slot_bytes)
