@@ -1,0 +1,405 @@
+"""OffloadScheduler (the connector's scheduler side) driven with vLLM's real Request and
+SchedulerOutput objects; no engine is started."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1 import kv_cache_interface as vkv  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.output import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from kv_offload.vllm.metadata import (  # noqa: E402
+    ABSENT,
+    IN_HOST,
+    ON_DISK,
+    KVOffloadWorkerMetadata,
+)
+from kv_offload.vllm.scheduler_side import OffloadScheduler  # noqa: E402
+from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
+
+BLOCK = 32
+ATTN = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def hasher():
+    init_none_hash(sha256)  # as vLLM's EngineCore does, with the default algo
+    return get_request_block_hasher(BLOCK, sha256)
+
+
+@pytest.fixture
+def make_request(hasher):
+    def make(req_id: str, num_tokens: int, first_token: int = 1) -> Request:
+        return Request(req_id, list(range(first_token, first_token + num_tokens)),
+                       SamplingParams(max_tokens=16), None, block_hasher=hasher)
+    return make
+
+
+def scheduler_for(*vllm_specs: vkv.KVCacheSpec, world_size: int = 1) -> OffloadScheduler:
+    """Our scheduler over vLLM specs, translated the way the connector does it."""
+    config = vkv.KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[],
+        kv_cache_groups=[vkv.KVCacheGroupSpec([f"layers.{g}"], spec)
+                         for g, spec in enumerate(vllm_specs)])
+    return OffloadScheduler([g.spec for g in translate_groups(config)], BLOCK, world_size)
+
+
+def full_attention(world_size: int = 1) -> OffloadScheduler:
+    return scheduler_for(vkv.FullAttentionSpec(**ATTN), world_size=world_size)
+
+
+def keys(request: Request, blocks, group: int = 0) -> list[tuple[bytes, int]]:
+    return [(bytes(request.block_hashes[i]), group) for i in blocks]
+
+
+def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST) -> None:
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({rank: [(k, old, new) for k in changed]}))
+
+
+def output(new=(), cached: CachedRequestData | None = None, scheduled=None,
+           spec_tokens=None) -> SchedulerOutput:
+    scheduled = scheduled or {}
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens=spec_tokens or {}, scheduled_encoder_inputs={},
+        finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+def cached_step(request: Request, new_block_ids, resumed: bool = False) -> CachedRequestData:
+    return CachedRequestData(
+        req_ids=[request.request_id], resumed_req_ids={request.request_id} if resumed else set(),
+        new_token_ids=[[]], all_token_ids={}, new_block_ids=[new_block_ids],
+        num_computed_tokens=[request.num_computed_tokens], num_output_tokens=[0])
+
+
+def stored(meta, group: int = 0) -> list[tuple[bytes, int]]:
+    hashes, ids = meta.stores.get(group, ([], []))
+    return list(zip(hashes, ids))
+
+
+def hashes_of(request: Request, blocks) -> list[bytes]:
+    return [bytes(request.block_hashes[i]) for i in blocks]
+
+
+def run_hit(sched: OffloadScheduler, request: Request, block_ids, local: int = 0):
+    """Lookup, then vLLM's allocation; returns (tokens, async, load plan of the request)."""
+    tokens, load_async, _ = sched.num_new_matched_tokens(request, local)
+    sched.after_alloc(request, block_ids, tokens or 0)
+    return tokens, load_async
+
+
+# --- (1), (2): readiness and the all-ranks rule ---
+
+def test_no_answer_until_every_rank_reported(make_request):
+    sched = full_attention(world_size=2)
+    request = make_request("r", 100)
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
+    report(sched, 0, keys(request, range(3)))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
+    report(sched, 1)  # an empty report still counts: rank 1 has sent its inventory
+    assert sched.ready
+    tokens, load_async, lookup = sched.num_new_matched_tokens(request, 0)
+    assert (tokens, load_async) == (0, False)  # rank 1 holds nothing
+    assert lookup.query_tokens == 100 and lookup.hit_tokens == 0
+
+
+def test_aggregated_reports_of_both_ranks_make_it_ready(make_request):
+    sched = full_attention(world_size=2)
+    request = make_request("r", 100)
+    both = KVOffloadWorkerMetadata({0: [(k, ABSENT, IN_HOST) for k in keys(request, range(3))]})
+    both = both.aggregate(KVOffloadWorkerMetadata(
+        {1: [(k, ABSENT, ON_DISK) for k in keys(request, range(2))]}))
+    sched.apply_worker_meta(both)
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (64, True)
+
+
+def test_a_hit_needs_the_key_on_every_rank(make_request):
+    sched = full_attention(world_size=2)
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    report(sched, 1)
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
+    report(sched, 1, keys(request, range(2)))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (64, True)
+    report(sched, 1, keys(request, [1]), old=IN_HOST, new=ABSENT)  # rank 1 evicted block 1
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (32, True)
+    report(sched, 0, keys(request, [0]), old=IN_HOST, new=ABSENT)
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
+
+
+# --- (3): hit length ---
+
+@pytest.mark.parametrize("num_tokens", [31, 32, 33, 100, 128, 129])
+def test_full_attention_hit_never_covers_the_last_token(make_request, num_tokens):
+    sched = full_attention()
+    request = make_request("r", num_tokens)
+    report(sched, 0, keys(request, range(len(request.block_hashes))))
+    tokens, load_async, _ = sched.num_new_matched_tokens(request, 0)
+    expected = (num_tokens - 1) // BLOCK * BLOCK  # vLLM: at most num_tokens - 1, whole blocks
+    assert tokens == expected
+    assert load_async is (expected > 0)
+
+
+def test_hit_is_the_cached_prefix_beyond_the_local_hit(make_request):
+    sched = full_attention()
+    request = make_request("r", 200)  # 6 hashes
+    report(sched, 0, keys(request, [0, 1, 2, 3, 5]))  # block 4 missing: prefix is 4 blocks
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (128, True)
+    assert sched.num_new_matched_tokens(request, 64)[:2] == (64, True)
+    assert sched.num_new_matched_tokens(request, 128)[:2] == (0, False)
+    assert sched.num_new_matched_tokens(request, 160)[:2] == (0, False)
+
+
+def test_a_different_prompt_does_not_hit(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    other = make_request("o", 100, first_token=2)  # different tokens, different chained hashes
+    assert sched.num_new_matched_tokens(other, 0)[:2] == (0, False)
+
+
+# --- (4): load plan over full attention + sliding window ---
+
+def test_load_plan_full_attention_and_sliding_window(make_request):
+    # Gemma3 order: group 0 sliding window (64 tokens), group 1 full attention.
+    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+                          vkv.FullAttentionSpec(**ATTN))
+    request = make_request("r", 8 * BLOCK + 4)  # 8 full blocks
+    report(sched, 0, keys(request, range(8), group=1))
+    report(sched, 0, keys(request, range(4, 8), group=0))  # only recent SWA blocks were kept
+    tokens, load_async, _ = sched.num_new_matched_tokens(request, 2 * BLOCK)
+    assert (tokens, load_async) == (6 * BLOCK, True)
+    # vLLM allocates the null block (0) for sliding-window blocks outside the window.
+    swa_ids = [0, 0, 0, 0, 0, 0, 27, 28, 29]
+    full_ids = list(range(10, 19))
+    sched.after_alloc(request, (swa_ids, full_ids), tokens)
+    assert sched.source_of("r") == "host"
+    meta = sched.build_meta(output())
+    plan = meta.loads["r"]
+    assert plan[1] == (hashes_of(request, range(2, 8)), full_ids[2:8])
+    assert plan[0] == (hashes_of(request, [6, 7]), [27, 28])  # the window before the hit
+    assert all(0 not in ids for _, ids in plan.values())
+    assert meta.stores == {}
+    assert sched.build_meta(output()).loads == {}  # a plan is sent once
+
+
+def test_sliding_window_gap_before_the_hit_point_shortens_the_hit(make_request):
+    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+                          vkv.FullAttentionSpec(**ATTN))
+    request = make_request("r", 8 * BLOCK + 4)
+    report(sched, 0, keys(request, range(8), group=1))
+    report(sched, 0, keys(request, [4, 5, 7], group=0))  # block 6 of the window is missing
+    # Windows ending at 8 and at 7 blocks both need block 6; the one ending at 6 is cached.
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (6 * BLOCK, True)
+
+
+def test_no_load_when_vllm_allocates_no_external_tokens(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)
+    sched.after_alloc(request, ([1, 2, 3, 4],), 0)
+    assert sched.build_meta(output()).loads == {}
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)  # not marked loading
+
+
+# --- (5): store plans ---
+
+def test_stores_blocks_completed_by_each_step_once(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)  # 3 full blocks + 4 tokens
+    report(sched, 0)
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
+    sched.after_alloc(request, ([1, 2, 3, 4],), 0)
+    new = NewRequestData.from_request(request, ([1, 2],))
+    meta = sched.build_meta(output(new=[new], scheduled={"r": 40}))  # chunked prefill
+    assert stored(meta) == list(zip(hashes_of(request, [0]), [1]))
+    request.num_computed_tokens = 40  # vLLM's _update_after_schedule
+    meta = sched.build_meta(output(cached=cached_step(request, ([3, 4],)),
+                                   scheduled={"r": 60}))
+    assert stored(meta) == list(zip(hashes_of(request, [1, 2]), [2, 3]))  # appended ids
+    request.num_computed_tokens = 100
+    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 1}))
+    assert meta.stores == {}  # nothing new completed, nothing stored twice
+
+
+def test_decode_tokens_complete_blocks_as_their_hashes_arrive(make_request):
+    sched = full_attention()
+    request = make_request("r", 62)
+    sched.num_new_matched_tokens(request, 0)
+    meta = sched.build_meta(output(new=[NewRequestData.from_request(request, ([5, 6],))],
+                                   scheduled={"r": 62}))
+    assert stored(meta) == list(zip(hashes_of(request, [0]), [5]))
+    request.num_computed_tokens = 62
+    request.append_output_token_ids([900, 901])  # 64 tokens: vLLM hashes block 1
+    assert len(request.block_hashes) == 2
+    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 1}))
+    assert meta.stores == {}  # token 63 is not computed yet
+    request.num_computed_tokens = 63
+    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 1}))
+    assert stored(meta) == list(zip(hashes_of(request, [1]), [6]))
+
+
+def test_speculative_tokens_are_not_counted_as_computed(make_request):
+    sched = full_attention()
+    request = make_request("r", 64)
+    sched.num_new_matched_tokens(request, 0)
+    new = NewRequestData.from_request(request, ([5, 6, 7],))
+    meta = sched.build_meta(output(new=[new], scheduled={"r": 33}))
+    assert stored(meta) == list(zip(hashes_of(request, [0]), [5]))
+    request.num_computed_tokens = 33
+    # 31 scheduled tokens of which 2 are draft tokens: block 1 is not complete yet.
+    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 31},
+                                   spec_tokens={"r": [7, 8]}))
+    assert meta.stores == {}
+    request.num_computed_tokens = 62
+    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 3},
+                                   spec_tokens={"r": [7]}))
+    assert stored(meta) == list(zip(hashes_of(request, [1]), [6]))
+
+
+def test_keys_held_by_every_rank_are_not_stored_again(make_request):
+    sched = full_attention(world_size=2)
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, [0, 1]))
+    report(sched, 1, keys(request, [0]), new=ON_DISK)
+    sched.num_new_matched_tokens(request, 0)  # hit of block 0 only: take none of it
+    sched.after_alloc(request, ([1, 2, 3, 4],), 0)
+    new = NewRequestData.from_request(request, ([1, 2, 3, 4],))
+    meta = sched.build_meta(output(new=[new], scheduled={"r": 100}))
+    # Block 0 is on both ranks; block 1 only on rank 0 (rank 1 still needs it).
+    assert stored(meta) == list(zip(hashes_of(request, [1, 2]), [2, 3]))
+
+
+def test_resumed_request_block_ids_replace_the_old_ones(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    sched.num_new_matched_tokens(request, 0)
+    new = NewRequestData.from_request(request, ([1, 2],))
+    assert len(stored(sched.build_meta(output(new=[new], scheduled={"r": 64})))) == 2
+    # Preempted (blocks freed), then resumed with a fresh allocation and a local hit of 64.
+    request.num_computed_tokens = 64
+    meta = sched.build_meta(output(cached=cached_step(request, ([7, 8, 9, 10],), resumed=True),
+                                   scheduled={"r": 36}))
+    assert stored(meta) == list(zip(hashes_of(request, [2]), [9]))
+
+
+def test_sliding_window_stores_skip_null_blocks(make_request):
+    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+                          vkv.FullAttentionSpec(**ATTN))
+    request = make_request("r", 4 * BLOCK + 1)
+    sched.num_new_matched_tokens(request, 0)
+    new = NewRequestData.from_request(request, ([0, 21, 22, 23, 24], [30, 31, 32, 33, 34]))
+    meta = sched.build_meta(output(new=[new], scheduled={"r": 4 * BLOCK + 1}))
+    assert stored(meta, 1) == list(zip(hashes_of(request, range(4)), [30, 31, 32, 33]))
+    assert stored(meta, 0) == list(zip(hashes_of(request, [1, 2, 3]), [21, 22, 23]))
+
+
+def test_unknown_and_finished_requests_plan_nothing(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    new = NewRequestData.from_request(request, ([1, 2, 3, 4],))
+    assert sched.build_meta(output(new=[new], scheduled={"r": 100})).stores == {}
+    sched.num_new_matched_tokens(request, 0)
+    assert sched.request_finished("r") is False
+    assert sched.build_meta(output(new=[new], scheduled={"r": 100})).stores == {}
+
+
+# --- (6), (7): load failures and request ends ---
+
+def hit_and_load(sched, request, block_ids):
+    tokens, load_async = run_hit(sched, request, block_ids)
+    assert load_async and tokens > 0
+    return sched.build_meta(output()).loads[request.request_id]
+
+
+def test_a_failed_load_turns_later_lookups_into_misses(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    hit_and_load(sched, request, ([1, 2, 3, 4],))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)  # while loading
+    sched.loads_finished({"r"}, {"r"})
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
+    other = make_request("s", 100)  # same prompt, another request: still a hit
+    assert sched.num_new_matched_tokens(other, 0)[:2] == (96, True)
+
+
+def test_after_a_successful_load_the_loaded_prefix_is_local(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    hit_and_load(sched, request, ([1, 2, 3, 4],))
+    sched.loads_finished({"r"}, set())
+    assert sched.num_new_matched_tokens(request, 96)[:2] == (0, False)
+
+
+def test_finishing_while_loading_keeps_the_blocks_until_the_load_reports(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    hit_and_load(sched, request, ([1, 2, 3, 4],))
+    assert sched.request_finished("r") is True
+    sched.loads_finished({"r"}, {"r"})
+    # The state was dropped with the report: a request reusing the id starts afresh
+    # (had the failed state survived, this lookup would be a miss).
+    reused = make_request("r", 100)
+    assert sched.num_new_matched_tokens(reused, 0)[:2] == (96, True)
+
+
+def test_finishing_without_a_load_frees_at_once(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)
+    assert sched.request_finished("r") is False  # hit found, never allocated
+    sched.after_alloc(request, ([1, 2, 3, 4],), 96)  # a late allocation plans nothing
+    assert sched.build_meta(output()).loads == {}
+    assert sched.request_finished("never-seen") is False
+
+
+def test_finishing_after_the_load_reported_frees_at_once(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    hit_and_load(sched, request, ([1, 2, 3, 4],))
+    sched.loads_finished({"r"}, set())
+    assert sched.request_finished("r") is False
+
+
+# --- (8): where a hit is read from ---
+
+def test_source_is_host_only_when_every_rank_has_every_block_in_memory(make_request):
+    sched = full_attention(world_size=2)
+    request = make_request("r", 100)
+    for rank in (0, 1):
+        report(sched, rank, keys(request, range(3)))
+    run_hit(sched, request, ([1, 2, 3, 4],))
+    assert sched.source_of("r") == "host"
+    report(sched, 1, keys(request, [1]), old=IN_HOST, new=ON_DISK)  # rank 1 evicted to disk
+    assert sched.source_of("r") == "disk"
+    assert sched.num_new_matched_tokens(make_request("s", 100), 0)[:2] == (96, True)
+    report(sched, 1, keys(request, [1]), old=ON_DISK, new=IN_HOST)  # read back into memory
+    assert sched.source_of("r") == "host"
+
+
+def test_source_is_disk_for_a_hit_only_on_disk(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)), new=ON_DISK)
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)
+    sched.after_alloc(request, ([1, 2, 3, 4],), 96)
+    assert sched.source_of("r") == "disk"

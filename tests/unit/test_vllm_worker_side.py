@@ -1,0 +1,219 @@
+"""OffloadWorker (the connector's worker side) on real CPU tensors laid out like vLLM 0.32's
+CPU backend (LBHNC views into one int8 buffer), with the real host and disk tiers."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from kv_offload.config import OffloadConfig  # noqa: E402
+from kv_offload.engine_alloc import allocate_kv_caches  # noqa: E402
+from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec  # noqa: E402
+from kv_offload.tiering import storage_key  # noqa: E402
+from kv_offload.vllm.metadata import ABSENT, IN_HOST, ON_DISK  # noqa: E402
+from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
+
+NUM_BLOCKS = 32
+ATTN = dict(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+FULL = FullAttentionSpec(**ATTN)
+GROUPS = [KVCacheGroup(["layers.0.attn", "layers.1.attn"], FULL)]
+BYTES_PER_BLOCK = 2 * FULL.page_size_bytes  # two layers
+WAIT_S = 10.0
+
+
+class Engine:
+    """kv_caches as vLLM's CPU backend hands them over, filled with random bytes."""
+
+    def __init__(self, groups=GROUPS, seed: int = 0) -> None:
+        self.groups = groups
+        self.buffer, self.caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC")
+        generator = torch.Generator().manual_seed(seed)
+        self.buffer.copy_(torch.randint(-128, 128, self.buffer.shape, dtype=torch.int8,
+                                        generator=generator))
+
+    def block_bytes(self, group: int, block_id: int) -> list[torch.Tensor]:
+        return [self.caches[name][block_id].view(torch.uint8).clone()
+                for name in self.groups[group].layer_names]
+
+    def zero(self, group: int, block_ids) -> None:
+        for name in self.groups[group].layer_names:
+            self.caches[name][list(block_ids)] = 0
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def block_hash(i: int, salt: bytes = b"") -> bytes:
+    return hashlib.sha256(salt + i.to_bytes(4, "little")).digest()  # 32 bytes, like vLLM's
+
+
+def make_worker(engine: Engine, tmp_path: Path | None = None, rank: int = 0) -> OffloadWorker:
+    disk = {} if tmp_path is None else dict(fs_root_dir=str(tmp_path / "kv"),
+                                            fs_bytes_to_use=64 << 20)
+    worker = OffloadWorker(OffloadConfig(cpu_bytes_to_use=1 << 20, **disk), rank, "test-model")
+    worker.register(engine.caches, engine.groups, NUM_BLOCKS)
+    return worker
+
+
+@pytest.fixture
+def workers():
+    started: list[OffloadWorker] = []
+    yield started
+    for worker in started:
+        worker.shutdown()
+
+
+def store(worker: OffloadWorker, stores) -> None:
+    worker.start_stores(stores)
+    worker.wait_for_engine_copies(timeout_s=WAIT_S)
+
+
+def wait_loads(worker: OffloadWorker, request_ids: set[str]) -> tuple[set[str], set[str]]:
+    """Poll `finished_loads` like vLLM does each step, until these requests finished."""
+    finished, failed = set(), set()
+    deadline = time.monotonic() + WAIT_S
+    while not request_ids <= finished:
+        assert time.monotonic() < deadline, f"loads {request_ids - finished} did not finish"
+        done, bad = worker.finished_loads()
+        finished |= done
+        failed |= bad
+        time.sleep(0.002)
+    return finished, failed
+
+
+def changes(worker: OffloadWorker) -> dict:
+    meta = worker.report()
+    assert list(meta.changes) == [worker.rank]
+    return {key: (old, new) for key, old, new in meta.changes[worker.rank]}
+
+
+def test_stores_are_reported_once_and_load_back_byte_identical(workers):
+    engine = Engine()
+    worker = make_worker(engine)
+    workers.append(worker)
+    hashes = [block_hash(i) for i in range(4)]
+    originals = [engine.block_bytes(0, b) for b in (1, 2, 3, 4)]
+    assert changes(worker) == {}  # first report: nothing held yet
+    store(worker, {0: (hashes, [1, 2, 3, 4])})
+    assert changes(worker) == {(h, 0): (ABSENT, IN_HOST) for h in hashes}
+    assert changes(worker) == {}  # exactly once
+
+    engine.zero(0, range(NUM_BLOCKS))
+    worker.start_loads({"r1": {0: (hashes[1:], [10, 11, 12])}})
+    finished, failed = wait_loads(worker, {"r1"})
+    assert finished == {"r1"} and failed == set()
+    for b, original in zip((10, 11, 12), originals[1:]):
+        assert same_bytes(engine.block_bytes(0, b), original)
+    zero = [torch.zeros_like(t) for t in originals[0]]
+    assert same_bytes(engine.block_bytes(0, 13), zero)  # nothing else was written
+    assert same_bytes(engine.block_bytes(0, 1), zero)
+
+
+def test_loading_a_key_nobody_stored_fails_that_request_only(workers):
+    engine = Engine()
+    worker = make_worker(engine)
+    workers.append(worker)
+    store(worker, {0: ([block_hash(0)], [1])})
+    original = engine.block_bytes(0, 1)
+    worker.start_loads({"r1": {0: ([block_hash(0), block_hash(99)], [5, 6])},
+                        "r2": {0: ([block_hash(0)], [7])}})
+    finished, failed = wait_loads(worker, {"r1", "r2"})
+    assert finished == {"r1", "r2"} and failed == {"r1"}
+    assert same_bytes(engine.block_bytes(0, 7), original)
+
+
+def test_same_hash_in_two_groups_is_two_keys(workers):
+    window = SlidingWindowSpec(sliding_window=32, **ATTN)
+    groups = [KVCacheGroup(["layers.0.attn", "layers.2.attn"], window),
+              KVCacheGroup(["layers.1.attn", "layers.3.attn"], FULL)]  # they overlay in memory
+    engine = Engine(groups, seed=1)
+    worker = make_worker(engine)
+    workers.append(worker)
+    h = block_hash(7)
+    swa, full = engine.block_bytes(0, 3), engine.block_bytes(1, 4)
+    assert not same_bytes(swa, full)
+    store(worker, {0: ([h], [3]), 1: ([h], [4])})
+    assert changes(worker) == {(h, 0): (ABSENT, IN_HOST), (h, 1): (ABSENT, IN_HOST)}
+    worker.start_loads({"r": {0: ([h], [8]), 1: ([h], [9])}})
+    assert wait_loads(worker, {"r"})[1] == set()
+    assert same_bytes(engine.block_bytes(0, 8), swa)
+    assert same_bytes(engine.block_bytes(1, 9), full)
+
+
+def test_reset_reports_host_keys_gone(workers):
+    engine = Engine()
+    worker = make_worker(engine)
+    workers.append(worker)
+    hashes = [block_hash(i) for i in range(3)]
+    store(worker, {0: (hashes, [1, 2, 3])})
+    changes(worker)
+    worker.reset()
+    assert changes(worker) == {(h, 0): (IN_HOST, ABSENT) for h in hashes}
+    worker.start_loads({"r": {0: (hashes[:1], [5])}})
+    assert wait_loads(worker, {"r"})[1] == {"r"}
+
+
+def test_stats_count_loads_stores_and_bytes(workers):
+    engine = Engine()
+    worker = make_worker(engine)
+    workers.append(worker)
+    hashes = [block_hash(i) for i in range(4)]
+    store(worker, {0: (hashes, [1, 2, 3, 4])})
+    worker.start_loads({"ok": {0: (hashes[:3], [10, 11, 12])},
+                        "bad": {0: ([block_hash(50)], [13])}})
+    wait_loads(worker, {"ok", "bad"})
+    stats = worker.take_stats()
+    assert stats.count("store_jobs") == 1
+    assert stats.count("store_blocks") == 4
+    assert stats.count("store_bytes") == 4 * BYTES_PER_BLOCK
+    assert stats.count("load_jobs") == 2
+    assert stats.count("load_blocks") == 4
+    assert stats.count("load_bytes") == 4 * BYTES_PER_BLOCK
+    assert stats.count("load_failed_blocks") == 1
+    assert stats.count("load_failed_jobs") == 1
+    assert stats.usage("host_bytes_used") == 4 * BYTES_PER_BLOCK
+    assert stats.usage("host_bytes_total") >= 4 * BYTES_PER_BLOCK
+    later = worker.take_stats()  # counters restart for the next interval
+    assert later is None or later.count("store_jobs") == later.count("load_jobs") == 0
+
+
+def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(workers, tmp_path):
+    engine = Engine()
+    first = make_worker(engine, tmp_path)
+    workers.append(first)
+    hashes = [block_hash(i, b"disk") for i in range(4)]
+    originals = [engine.block_bytes(0, b) for b in (1, 2, 3, 4)]
+    store(first, {0: (hashes, [1, 2, 3, 4])})
+    assert set(changes(first).values()) == {(ABSENT, IN_HOST)}
+    first.shutdown()  # finishes the write-through to disk
+
+    engine.zero(0, range(NUM_BLOCKS))
+    second = make_worker(engine, tmp_path)  # a new process over the same directory
+    workers.append(second)
+    assert changes(second) == {(h, 0): (ABSENT, ON_DISK) for h in hashes}
+    assert changes(second) == {}
+
+    files = list((tmp_path / "kv").rglob(storage_key((hashes[3], 0)).hex() + ".safetensors"))
+    assert len(files) == 1
+    data = bytearray(files[0].read_bytes())
+    data[-100] ^= 0xFF  # inside the page data, after the header
+    files[0].write_bytes(bytes(data))
+
+    second.start_loads({"good": {0: (hashes[:3], [5, 6, 7])},
+                        "bad": {0: (hashes[3:], [8])}})
+    finished, failed = wait_loads(second, {"good", "bad"})
+    assert finished == {"good", "bad"} and failed == {"bad"}
+    for b, original in zip((5, 6, 7), originals):
+        assert same_bytes(engine.block_bytes(0, b), original)
+    # Read back into host memory; the corrupt key is gone from every tier.
+    assert changes(second) == {**{(h, 0): (ON_DISK, IN_HOST) for h in hashes[:3]},
+                               (hashes[3], 0): (ON_DISK, ABSENT)}
+    assert not files[0].exists()
