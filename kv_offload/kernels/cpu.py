@@ -220,7 +220,9 @@ def serial_torch_thread() -> None:
         probe = threading.Thread(target=lambda: default.__setitem__(0, torch.get_num_threads()))
         probe.start()
         probe.join()
-        torch.set_num_threads(1)
-        restore = threading.Thread(target=torch.set_num_threads, args=(default[0],))
+        # torch._C's own function: vLLM's CPU worker replaces `torch.set_num_threads` with a
+        # warning stub (it must not resize its bound threads; ours is only this thread's).
+        torch._C.set_num_threads(1)
+        restore = threading.Thread(target=torch._C.set_num_threads, args=(default[0],))
         restore.start()
         restore.join()
