@@ -1,0 +1,332 @@
+"""Time to first token served from kv-offload's host and disk tiers vs recompute (vLLM CPU).
+
+    python benchmarks/bench_ttft.py --json /tmp/ttft.json
+    python benchmarks/bench_ttft.py --model-dir /tmp/kvm/big --prompts 3 --prompt-tokens 2000
+    python benchmarks/bench_ttft.py --new-process-disk      # disk pass in a fresh engine process
+
+Builds (or reuses, `--model-dir`) a random-weight Llama-like model (8 layers, hidden 1024,
+16 heads, 4 KV heads: ~1.2 s of prefill for 2000 tokens here), then runs the real vLLM engine
+in child processes (in-process engine core, block size 32, eager, prefix caching on). For
+each of N distinct long prompts, new to every cache, TTFT is the wall time of
+`llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))`:
+
+  cold_with_connector  first sight, engine with KVOffloadConnector (which stores the blocks);
+  host                 after `reset_prefix_cache()`: vLLM's cache is gone, our host tier is not;
+  disk                 after `reset_prefix_cache(reset_connector=True)` and a settle sleep:
+                       only our disk files remain (--new-process-disk: a new engine process);
+  cold_no_connector    the same prompt in a separate engine WITHOUT the connector, twice
+                       (first sight, then after `reset_prefix_cache()`): the recompute
+                       baseline, free of our store cost. Ratios are to its median.
+
+vLLM's own first-token latency (`RequestOutput.metrics`, arrival -> first token) is reported
+beside the wall time. A host/disk pass is invalid unless it got >= prompt - 32 cached tokens;
+every pass must generate the same token as the no-connector engine. vLLM's per-source hit
+counter (vllm:prompt_tokens_cached_by_source) shows which tier the scheduler planned to load
+each pass from. Before each measured request the idle engine is ticked with a sub-block
+request, so the connector's scheduler side has heard the worker's latest inventory.
+The disk tier reads through the OS page cache (the host pool is not 4096-aligned, so no
+O_DIRECT into slots); files written moments before are likely still cached in RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+MODEL_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4}
+CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
+PASSES = ("cold_no_connector", "cold_with_connector", "host", "disk")
+GOALS = {"host": 0.15, "disk": 0.3}  # TTFT ratio to recompute, from the issue
+HIT_SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
+
+
+# ----------------------------------------------------------------------------- child side
+
+def _child(spec_path: Path) -> int:
+    """Inside one engine process: start vLLM, run the spec's steps, write the results."""
+    from vllm import LLM, SamplingParams
+
+    from kv_offload.tiny_vocab import word_prompt
+
+    spec = json.loads(spec_path.read_text())
+    started = time.perf_counter()
+    llm = LLM(model=spec["model"], block_size=BLOCK_SIZE, max_model_len=spec["max_model_len"],
+              kv_cache_memory_bytes=256 * 1024 * 1024, enable_prefix_caching=True,
+              enforce_eager=True, dtype="bfloat16", seed=0, max_num_seqs=4,
+              disable_log_stats=False,  # fills RequestOutput.metrics and the hit counters
+              kv_transfer_config=spec["kv_transfer_config"])
+    engine_start_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    # One short unrelated request, so no measured pass pays the engine's first-call costs.
+    llm.generate([word_prompt(2 * BLOCK_SIZE, offset=499)], params, use_tqdm=False)
+    # Shorter than a block: never stored, never a hit. The connector's scheduler side hears
+    # of finished stores, disk listings and a connector reset only with an engine step, and
+    # an idle engine takes none; a live server steps all the time, so tick it like one.
+    tick = [word_prompt(BLOCK_SIZE // 2, offset=450)]
+    samples = []
+    for step in spec["steps"]:
+        if step["reset"] == "engine" and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        if step["reset"] == "all" and not llm.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache and the connector")
+        llm.generate(tick, params, use_tqdm=False)  # delivers the reset to the worker
+        time.sleep(step["settle_s"])  # background write-through done, disk listing due
+        llm.generate(tick, params, use_tqdm=False)  # brings the worker's inventory back
+        hits_before = _hits_by_source(llm)
+        t0 = time.perf_counter()
+        (out,) = llm.generate([step["prompt"]], params, use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        hits_after = _hits_by_source(llm)
+        metrics = out.metrics
+        samples.append({
+            "pass": step["pass"], "prompt_index": step["prompt_index"],
+            "warmup": step["warmup"], "ttft_wall_s": wall_s,
+            "ttft_vllm_s": getattr(metrics, "first_token_latency", None) or None,
+            "prompt_len": len(out.prompt_token_ids),
+            "num_cached_tokens": out.num_cached_tokens or 0,
+            "token_ids": list(out.outputs[0].token_ids),
+            "hits_by_source": {k: v - hits_before.get(k, 0) for k, v in hits_after.items()
+                               if v - hits_before.get(k, 0)},
+        })
+    Path(spec["result_path"]).write_text(json.dumps(
+        {"engine_start_s": engine_start_s, "samples": samples}))
+    # vLLM's finalizers call the connector's shutdown, which flushes pending disk writes
+    # before a later engine process reads them.
+    del llm
+    return 0
+
+
+def _hits_by_source(llm: Any) -> dict[str, float]:
+    return {m.labels.get("source", "?"): m.value for m in llm.get_metrics()
+            if m.name == HIT_SOURCE_METRIC and hasattr(m, "value")}
+
+
+# ---------------------------------------------------------------------------- parent side
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    """The benchmark model: `--model-dir` if it holds one, else built there (or in a cache)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kv-offload"
+    path = args.model_dir or default / "bench-ttft-model"
+    if (path / "config.json").exists():
+        return path
+    from kv_offload.tiny_models import build_llama
+
+    print(f"building the benchmark model in {path} ...", flush=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(path.parent)))
+    build_llama(building, max_positions=max(4096, _max_model_len(args.prompt_tokens)),
+                **MODEL_SIZES)
+    building.rename(path)  # whole or absent: an interrupted build leaves no half model
+    return path
+
+
+def _max_model_len(prompt_tokens: int) -> int:
+    return max(2048, -(-(prompt_tokens + 1) // BLOCK_SIZE) * BLOCK_SIZE)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _transfer_config(fs_root_dir: Path) -> dict[str, Any]:
+    return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(fs_root_dir)}}
+
+
+def _step(pass_name: str, prompt: str, index: int, reset: str, settle_s: float,
+          warmup: bool = False) -> dict[str, Any]:
+    return {"pass": pass_name, "prompt": prompt, "prompt_index": index, "reset": reset,
+            "settle_s": settle_s, "warmup": warmup}
+
+
+def _engine_plans(args: argparse.Namespace, prompts: list[str], warmup: list[str],
+                  disk_dir: Path) -> list[tuple[str, dict[str, Any] | None, list[dict]]]:
+    """(name, kv_transfer_config, steps) per engine process, in the order they run.
+
+    Each engine first runs its passes once on unrelated warm-up prompts (reported apart),
+    so the first measured prompt pays no one-time cost of a load or store path.
+    """
+    settle = args.settle_s
+    # Two recompute samples per prompt: first sight, then again after an engine reset.
+    baseline = [_step("cold_no_connector", p, i, reset, settle, warmup=w)
+                for w, group in ((True, warmup[:1]), (False, prompts))
+                for i, p in enumerate(group) for reset in ("none", "engine")]
+    connector = _transfer_config(disk_dir)
+    tiered: list[dict[str, Any]] = []
+    for w, group in ((True, warmup[:1]), (False, prompts)):
+        for i, p in enumerate(group):
+            tiered += [_step("cold_with_connector", p, i, "none", settle, warmup=w),
+                       _step("host", p, i, "engine", settle, warmup=w)]
+            if not args.new_process_disk:
+                tiered.append(_step("disk", p, i, "all", settle, warmup=w))
+    plans = [("no-connector", None, baseline), ("connector", connector, tiered)]
+    if args.new_process_disk:
+        # The first process's warm-up prompt is on disk too: it warms this one's load path.
+        disk = [_step("disk", p, i, "none", settle, warmup=w)
+                for w, group in ((True, warmup[:1]), (False, prompts))
+                for i, p in enumerate(group)]
+        plans.append(("connector-new-process", connector, disk))
+    return plans
+
+
+def _run_child(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run one engine over `spec` in a child process; its log stays in work/<name>/engine.log."""
+    run_dir = _mkdir(work / name)
+    spec_path, result_path, log_path = (run_dir / "spec.json", run_dir / "result.json",
+                                        run_dir / "engine.log")
+    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process
+    print(f"  engine '{name}': {len(spec['steps'])} requests (log {log_path}) ...", flush=True)
+    with log_path.open("w") as log:
+        # cwd=run_dir: the checkout's top-level folders must not shadow installed packages.
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
+                               str(spec_path)], cwd=run_dir, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not result_path.exists():
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"engine '{name}' failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(result_path.read_text())
+
+
+def _summarise(samples: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
+    measured = [s for s in samples if not s["warmup"]]
+    reference = {s["prompt_index"]: s["token_ids"] for s in measured
+                 if s["pass"] == "cold_no_connector"}
+    min_cached = prompt_tokens - BLOCK_SIZE
+    passes: dict[str, Any] = {}
+    problems: list[str] = []
+    for name in PASSES:
+        rows = [s for s in measured if s["pass"] == name]
+        if not rows:
+            continue
+        vllm_ttft = [s["ttft_vllm_s"] for s in rows if s["ttft_vllm_s"] is not None]
+        sources: dict[str, float] = {}
+        for s in rows:
+            for k, v in s["hits_by_source"].items():
+                sources[k] = sources.get(k, 0) + v
+        passes[name] = {
+            "median_ttft_wall_s": statistics.median(s["ttft_wall_s"] for s in rows),
+            "median_ttft_vllm_s": statistics.median(vllm_ttft) if vllm_ttft else None,
+            "cached_tokens": [s["num_cached_tokens"] for s in rows],
+            "hit_tokens_by_source": sources,
+            "same_token": all(s["token_ids"] == reference.get(s["prompt_index"]) for s in rows),
+        }
+        for s in rows:
+            where = f"{name} prompt {s['prompt_index']}"
+            if name.startswith("cold") and s["num_cached_tokens"]:
+                problems.append(f"{where}: {s['num_cached_tokens']} cached tokens on first sight")
+            if name in GOALS and s["num_cached_tokens"] < min_cached:
+                problems.append(f"{where}: {s['num_cached_tokens']} cached tokens, "
+                                f"expected >= {min_cached}")
+            if s["token_ids"] != reference.get(s["prompt_index"]):
+                problems.append(f"{where}: token {s['token_ids']} differs from recompute "
+                                f"{reference.get(s['prompt_index'])}")
+    base = passes.get("cold_no_connector", {}).get("median_ttft_wall_s")
+    for entry in passes.values():
+        entry["ratio_to_recompute"] = entry["median_ttft_wall_s"] / base if base else None
+    return {"passes": passes, "problems": problems, "valid": not problems}
+
+
+def _print_table(summary: dict[str, Any], args: argparse.Namespace, starts: dict) -> None:
+    print(f"\nTTFT, {args.prompts} prompts x {args.prompt_tokens} tokens, max_tokens=1, "
+          f"Llama-like {MODEL_SIZES}; engine start "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in starts.items()) + "\n")
+    header = ("pass", "median TTFT (wall)", "vLLM TTFT", "x recompute", "goal",
+              "cached tokens", "served from", "same token")
+    rows = []
+    for name, p in summary["passes"].items():
+        vllm_s = p["median_ttft_vllm_s"]
+        served = ", ".join(f"{k} {int(v)}" for k, v in sorted(p["hit_tokens_by_source"].items()))
+        rows.append((name, f"{p['median_ttft_wall_s'] * 1e3:.1f} ms",
+                     "-" if vllm_s is None else f"{vllm_s * 1e3:.1f} ms",
+                     f"{p['ratio_to_recompute']:.3f}" if p["ratio_to_recompute"] else "-",
+                     f"<= {GOALS[name]}" if name in GOALS else "",
+                     "/".join(str(c) for c in p["cached_tokens"]), served or "-",
+                     "yes" if p["same_token"] else "NO"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print("\nvalid run" if summary["valid"] else "\nINVALID run:\n  "
+          + "\n  ".join(summary["problems"]))
+
+
+def run(args: argparse.Namespace) -> int:
+    from kv_offload.tiny_vocab import NUM_WORDS, word_prompt
+
+    # Distinct first words give distinct block-hash chains: no prompt shares a block with
+    # another, with the warm-up prompts, or with the engine's short first request.
+    if not 0 < args.prompts < NUM_WORDS // 37:
+        raise ValueError(f"--prompts must be in 1..{NUM_WORDS // 37 - 1} (distinct first words)")
+    offsets = [37 * i + 5 for i in range(args.prompts + 1)]
+    warmup = [word_prompt(args.prompt_tokens, offset=offsets[0])]
+    prompts = [word_prompt(args.prompt_tokens, offset=o) for o in offsets[1:]]
+    model = _model_dir(args)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-ttft-"))
+    disk_dir = work / "disk"
+    shutil.rmtree(disk_dir, ignore_errors=True)  # every measured prompt new to every cache
+    _mkdir(disk_dir)
+    results, starts, loads = [], {}, {}
+    try:
+        for name, transfer, steps in _engine_plans(args, prompts, warmup, disk_dir):
+            spec = {"model": str(model), "max_model_len": _max_model_len(args.prompt_tokens),
+                    "kv_transfer_config": transfer, "steps": steps}
+            load_before = os.getloadavg()[0]
+            out = _run_child(name, spec, work)
+            starts[name] = out["engine_start_s"]
+            loads[name] = [load_before, os.getloadavg()[0]]
+            results += [{**s, "engine": name} for s in out["samples"]]
+    finally:
+        if args.work_dir is None and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = _summarise(results, args.prompt_tokens)
+    _print_table(summary, args, starts)
+    print("1-min load average before/after each engine (2 shared cores): "
+          + ", ".join(f"{k} {a:.1f}/{b:.1f}" for k, (a, b) in loads.items()))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": {"path": str(model), **MODEL_SIZES}, "num_prompts": args.prompts,
+            "prompt_tokens": args.prompt_tokens, "settle_s": args.settle_s,
+            "new_process_disk": args.new_process_disk, "goals": GOALS,
+            "connector_extra_config": CONNECTOR_EXTRA, "engine_start_s": starts,
+            "load_average_before_after": loads,
+            **summary, "samples": results}, indent=2))
+    return 0 if summary["valid"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path,
+                        help="model directory to reuse, or where to build it "
+                             "(default ~/.cache/kv-offload/bench-ttft-model)")
+    parser.add_argument("--prompts", type=int, default=3, help="distinct prompts (default 3)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000,
+                        help="tokens per prompt (default 2000)")
+    parser.add_argument("--settle-s", type=float, default=3.0,
+                        help="sleep before each request: background disk writes finish and the "
+                             "scheduler's disk listing (refreshed every 1 s) catches up")
+    parser.add_argument("--new-process-disk", action="store_true",
+                        help="run the disk pass in a fresh engine process (nothing in host memory)")
+    parser.add_argument("--work-dir", type=Path,
+                        help="engine logs and the disk tier (default: a temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        return _child(args.child)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
