@@ -380,6 +380,13 @@ def test_finishing_after_the_load_reported_frees_at_once(make_request):
     assert sched.request_finished("r") is False
 
 
+def test_reset_is_sent_once():
+    sched = full_attention()
+    sched.reset()
+    assert sched.build_meta(output()).reset is True
+    assert sched.build_meta(output()).reset is False
+
+
 # --- (8): where a hit is read from ---
 
 def test_source_is_host_only_when_every_rank_has_every_block_in_memory(make_request):
@@ -403,3 +410,47 @@ def test_source_is_disk_for_a_hit_only_on_disk(make_request):
     assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)
     sched.after_alloc(request, ([1, 2, 3, 4],), 96)
     assert sched.source_of("r") == "disk"
+
+
+# --- groups whose block size is a multiple of the hash block size ---
+
+def mixed_block_sizes() -> OffloadScheduler:
+    """Sliding window (32-token blocks, window 64) beside full attention with 64-token
+    blocks: vLLM hashes every 32 tokens (the gcd) and the full group uses every 2nd hash."""
+    return scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+                         vkv.FullAttentionSpec(**{**ATTN, "block_size": 2 * BLOCK}))
+
+
+def test_a_larger_block_is_keyed_by_the_hash_at_its_end(make_request):
+    sched = mixed_block_sizes()
+    request = make_request("r", 4 * BLOCK + 1)  # 4 hashes = 2 blocks of the full group
+    report(sched, 0, keys(request, range(4), group=0))
+    report(sched, 0, [(bytes(request.block_hashes[1]), 1), (bytes(request.block_hashes[3]), 1)])
+    tokens, load_async = run_hit(sched, request, ([21, 22, 23, 24], [30, 31]))
+    assert (tokens, load_async) == (4 * BLOCK, True)
+    plan = sched.build_meta(output()).loads["r"]
+    assert plan[1] == (hashes_of(request, [1, 3]), [30, 31])
+    assert plan[0] == (hashes_of(request, [2, 3]), [23, 24])
+    # Without the hash at the end of full block 1, only the first 64 tokens hit.
+    report(sched, 0, [(bytes(request.block_hashes[3]), 1)], old=IN_HOST, new=ABSENT)
+    assert sched.num_new_matched_tokens(make_request("s", 4 * BLOCK + 1), 0)[:2] == (64, True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "scheduler_side._plan_stores advances `considered` to every block computed so far, "
+    "but with hit points every lcm(block sizes) tokens a sliding-window block computed in "
+    "one step may only become worth storing in a later step (its window ends at a later "
+    "hit point); it is then skipped as `i < start` and never stored"))
+def test_sliding_window_block_needed_by_a_later_hit_point_is_stored(make_request):
+    sched = mixed_block_sizes()
+    request = make_request("r", 4 * BLOCK + 1)
+    report(sched, 0)
+    sched.num_new_matched_tokens(request, 0)
+    new = NewRequestData.from_request(request, ([1, 2, 3], [10, 11]))
+    first = sched.build_meta(output(new=[new], scheduled={"r": 3 * BLOCK}))  # chunked prefill
+    request.num_computed_tokens = 3 * BLOCK
+    second = sched.build_meta(output(cached=cached_step(request, ([4], [])),
+                                     scheduled={"r": BLOCK + 1}))
+    swa_stored = stored(first, 0) + stored(second, 0)
+    # The hit at 128 tokens needs the window before it: sliding-window blocks 2 and 3.
+    assert swa_stored == list(zip(hashes_of(request, range(4)), [1, 2, 3, 4]))

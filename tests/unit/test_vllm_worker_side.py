@@ -217,3 +217,39 @@ def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(workers, tmp_path
     assert changes(second) == {**{(h, 0): (ON_DISK, IN_HOST) for h in hashes[:3]},
                                (hashes[3], 0): (ON_DISK, ABSENT)}
     assert not files[0].exists()
+
+
+def small_host_worker(engine: Engine, slots: int) -> OffloadWorker:
+    worker = OffloadWorker(OffloadConfig(cpu_bytes_to_use=slots * BYTES_PER_BLOCK), 0, "m")
+    worker.register(engine.caches, engine.groups, NUM_BLOCKS)
+    return worker
+
+
+def test_host_eviction_is_reported(workers):
+    engine = Engine()
+    worker = small_host_worker(engine, slots=2)
+    workers.append(worker)
+    old, new = [block_hash(0), block_hash(1)], [block_hash(2), block_hash(3)]
+    store(worker, {0: (old, [1, 2])})
+    assert changes(worker) == {(h, 0): (ABSENT, IN_HOST) for h in old}
+    store(worker, {0: (new, [3, 4])})  # evicts both older keys (LRU)
+    assert changes(worker) == {**{(h, 0): (IN_HOST, ABSENT) for h in old},
+                               **{(h, 0): (ABSENT, IN_HOST) for h in new}}
+    worker.start_loads({"evicted": {0: (old[:1], [9])}, "kept": {0: (new, [10, 11])}})
+    assert wait_loads(worker, {"evicted", "kept"})[1] == {"evicted"}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "worker_side.finished_loads calls record_store(..., failed_blocks, 0): a store that "
+    "found no room in the host tier (TieredStore skips it whole) is counted as failed "
+    "blocks, and store_skipped_blocks ('skipped = no room to store') is never counted"))
+def test_a_store_without_room_counts_as_skipped(workers):
+    engine = Engine()
+    worker = small_host_worker(engine, slots=2)
+    workers.append(worker)
+    store(worker, {0: ([block_hash(i) for i in range(3)], [1, 2, 3])})  # 3 blocks, 2 slots
+    assert changes(worker) == {}  # nothing was stored
+    worker.finished_loads()
+    stats = worker.take_stats()
+    assert stats.count("store_skipped_blocks") == 3
+    assert stats.count("store_failed_blocks") == 0
