@@ -46,6 +46,7 @@ class TieredResult:
     success: bool
     failed: dict[int, list[int]] = field(default_factory=dict)
     from_storage: int = 0  # load: keys read from the storage tier (the rest came from host)
+    no_room: bool = False  # store: skipped whole, the host tier could not make room
 
 
 def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
@@ -127,7 +128,8 @@ class TieredStore:
         targets = _targets(requests)
         plan = self.manager.prepare_store(list(targets))
         if plan is None:
-            self._done.append(TieredResult(job_id, "store", False, _blocks_of(targets)))
+            self._done.append(TieredResult(job_id, "store", False, _blocks_of(targets),
+                                           no_room=True))
             return job_id
         if not plan.keys:
             self._done.append(TieredResult(job_id, "store", True))

@@ -36,7 +36,8 @@ NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 class _Request:
     request: Any  # vllm Request: its block_hashes grow as tokens arrive
     block_ids: list[list[int]] = field(default_factory=list)
-    considered: list[int] = field(default_factory=list)  # per group: blocks already planned
+    considered: list[int] = field(default_factory=list)  # per group: full blocks seen so far
+    planned: list[set[int]] = field(default_factory=list)  # per group: blocks already decided
     loading: bool = False
     load_failed: bool = False
     finished: bool = False
@@ -153,20 +154,26 @@ class OffloadScheduler:
         request = state.request
         if not state.considered:
             state.considered = [0] * len(self.specs)
+            state.planned = [set() for _ in self.specs]
         num_hashes = len(request.block_hashes)
         for g, spec in enumerate(self.specs):
             per_block = spec.block_size // self.hash_block_size
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
                        len(state.block_ids[g]) if g < len(state.block_ids) else 0)
-            start = state.considered[g]
-            if full <= start:
+            if full <= state.considered[g]:
                 continue
             state.considered[g] = full
-            worth = blocks_worth_storing(spec, full, alignment_tokens=self.align)
+            # A block is worth storing once a hit point that loads it is reached; that can
+            # be a later step than the one that computed it (a window before a hit point
+            # further on). vLLM keeps such a block until then: it is inside that window.
+            planned = state.planned[g]
             hashes, ids = stores.setdefault(g, ([], []))
-            for i in worth:
+            for i in blocks_worth_storing(spec, full, alignment_tokens=self.align):
+                if i in planned:
+                    continue
+                planned.add(i)
                 block_id = state.block_ids[g][i]
-                if i < start or block_id == NULL_BLOCK_ID:
+                if block_id == NULL_BLOCK_ID:
                     continue
                 block_hash = self._hash_of(request, g, i)
                 if self._holders.get((block_hash, g), 0) < self.world_size:

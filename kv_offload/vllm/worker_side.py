@@ -120,10 +120,12 @@ class OffloadWorker:
                     self._disk_listed_at = 0.0  # a bad file was dropped: re-list soon
                 self._stats.record_load(job.num_blocks, job.num_bytes,
                                         job.seconds, failed_blocks)
+            elif result.no_room:
+                self._stats.record_store(0, 0, 0.0, skipped_blocks=job.num_blocks)
             else:
                 failed_blocks = sum(len(ids) for ids in result.failed.values())
                 self._stats.record_store(job.num_blocks, job.num_bytes, job.seconds,
-                                         failed_blocks, 0)
+                                         failed_blocks)
         return finished, failed
 
     def report(self) -> KVOffloadWorkerMetadata:

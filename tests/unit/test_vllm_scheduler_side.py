@@ -436,11 +436,6 @@ def test_a_larger_block_is_keyed_by_the_hash_at_its_end(make_request):
     assert sched.num_new_matched_tokens(make_request("s", 4 * BLOCK + 1), 0)[:2] == (64, True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler_side._plan_stores advances `considered` to every block computed so far, "
-    "but with hit points every lcm(block sizes) tokens a sliding-window block computed in "
-    "one step may only become worth storing in a later step (its window ends at a later "
-    "hit point); it is then skipped as `i < start` and never stored"))
 def test_sliding_window_block_needed_by_a_later_hit_point_is_stored(make_request):
     sched = mixed_block_sizes()
     request = make_request("r", 4 * BLOCK + 1)

@@ -239,10 +239,6 @@ def test_host_eviction_is_reported(workers):
     assert wait_loads(worker, {"evicted", "kept"})[1] == {"evicted"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "worker_side.finished_loads calls record_store(..., failed_blocks, 0): a store that "
-    "found no room in the host tier (TieredStore skips it whole) is counted as failed "
-    "blocks, and store_skipped_blocks ('skipped = no room to store') is never counted"))
 def test_a_store_without_room_counts_as_skipped(workers):
     engine = Engine()
     worker = small_host_worker(engine, slots=2)

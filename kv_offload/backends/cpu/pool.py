@@ -7,7 +7,6 @@ import torch
 from kv_offload.errors import ConfigError
 from kv_offload.kernels.geometry import HostSlotLayout
 
-
 PAGE_BYTES = 4096  # O_DIRECT alignment
 
 
