@@ -42,6 +42,8 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     scheduler knows every rank has sent its first inventory."""
 
     changes: dict[int, list[KeyChange]] = field(default_factory=dict)
+    host_slots: dict[int, int] = field(default_factory=dict)
+    """Per rank: blocks its host tier holds (a load must fit there, disk hits included)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         if not isinstance(other, KVOffloadWorkerMetadata):
@@ -50,4 +52,4 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         merged = dict(self.changes)
         for rank, changes in other.changes.items():
             merged[rank] = merged.get(rank, []) + changes
-        return KVOffloadWorkerMetadata(merged)
+        return KVOffloadWorkerMetadata(merged, {**self.host_slots, **other.host_slots})

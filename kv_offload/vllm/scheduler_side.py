@@ -60,6 +60,7 @@ class OffloadScheduler:
         self.hash_block_size = hash_block_size
         self.world_size = world_size
         self.align = lcm(*(spec.block_size for spec in specs))
+        self._min_block_size = min(spec.block_size for spec in specs)
         for g, spec in enumerate(specs):
             if spec.block_size % hash_block_size:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
@@ -67,6 +68,8 @@ class OffloadScheduler:
         self._holders: dict[OffloadKey, int] = {}  # key -> ranks that can load it
         self._in_host: dict[OffloadKey, int] = {}  # key -> ranks holding it in host memory
         self._ranks_reported: set[int] = set()
+        self._host_slots = 0  # the smallest host tier over the ranks, in blocks
+        self._slots_by_rank: dict[int, int] = {}
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
         self._loads: dict[str, GroupBlocks] = {}
@@ -89,13 +92,28 @@ class OffloadScheduler:
             return None, False, None
         if state.load_failed or state.loading:
             return 0, False, None
-        max_length = request.num_tokens - 1  # vLLM always computes the last token
-        hit = find_longest_cache_hit(self.specs, self._is_cached_fn(request), max_length)
+        hit = self._longest_hit(request, num_computed_tokens)
         result = LookupResult(request.num_tokens, max(0, hit.num_tokens - num_computed_tokens))
         if hit.num_tokens <= num_computed_tokens:
             return 0, False, result
         self._pending_hits[request.request_id] = (hit, num_computed_tokens)
         return hit.num_tokens - num_computed_tokens, True, result
+
+    def _longest_hit(self, request: Any, num_computed_tokens: int):
+        """The longest hit whose load fits in half the host tier (a load passes through
+        host slots, also from disk): a longer one could never be loaded."""
+        is_cached = self._is_cached_fn(request)
+        max_length = request.num_tokens - 1  # vLLM always computes the last token
+        room = max(1, self._host_slots // 2) if self._host_slots else float("inf")
+        while True:
+            hit = find_longest_cache_hit(self.specs, is_cached, max_length)
+            to_load = sum(1 for g, spec in enumerate(self.specs) for i in hit.blocks[g]
+                          if i >= num_computed_tokens // spec.block_size)
+            if to_load <= room:
+                return hit
+            # Each block fewer is at least one token block shorter (exact for full attention).
+            shorter = max(self.align, (to_load - room) * self._min_block_size)
+            max_length = max(0, hit.num_tokens - shorter) // self.align * self.align
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                     num_external_tokens: int) -> None:
@@ -187,6 +205,10 @@ class OffloadScheduler:
     def apply_worker_meta(self, meta: KVOffloadWorkerMetadata | None) -> None:
         if meta is None:
             return
+        if meta.host_slots:
+            reported = {**self._slots_by_rank, **meta.host_slots}
+            self._slots_by_rank = reported
+            self._host_slots = min(reported.values())
         for rank, changes in meta.changes.items():
             self._ranks_reported.add(rank)
             for key, old, new in changes:

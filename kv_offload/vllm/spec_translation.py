@@ -69,7 +69,8 @@ def translate_spec(vllm_spec: Any, where: str) -> KVCacheSpec:
     values = {f.name: getattr(vllm_spec, f.name) for f in dataclasses.fields(target)
               if hasattr(vllm_spec, f.name)}
     if "mamba_type" in values:
-        values["mamba_type"] = str(getattr(values["mamba_type"], "value", values["mamba_type"]))
+        kind_name = getattr(values["mamba_type"], "name", values["mamba_type"])  # an enum
+        values["mamba_type"] = str(kind_name).lower()
     try:
         return target(**values)
     except (TypeError, ValueError) as err:

@@ -156,7 +156,8 @@ class OffloadWorker:
                     del self._reported[key]
                 else:
                     self._reported[key] = state
-        return KVOffloadWorkerMetadata({self.rank: changes})
+        return KVOffloadWorkerMetadata({self.rank: changes},
+                                       {self.rank: self.store.cpu.num_slots})
 
     def take_stats(self) -> KVOffloadStats | None:
         with self._lock:

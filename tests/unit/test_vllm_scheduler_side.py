@@ -163,6 +163,22 @@ def test_hit_is_the_cached_prefix_beyond_the_local_hit(make_request):
     assert sched.num_new_matched_tokens(request, 160)[:2] == (0, False)
 
 
+def test_a_hit_is_capped_to_what_half_the_host_tier_can_pass_through(make_request):
+    """Every load passes through host slots (disk hits are read into them first): a hit of
+    more blocks than half the smallest rank's host tier could never load, so it is cut."""
+    sched = full_attention(world_size=2)
+    request = make_request("r", 300)  # 9 full blocks
+    for rank, slots in ((0, 16), (1, 8)):
+        sched.apply_worker_meta(KVOffloadWorkerMetadata(
+            {rank: [(k, ABSENT, ON_DISK) for k in keys(request, range(9))]}, {rank: slots}))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (4 * BLOCK, True)  # 8 // 2 blocks
+    assert sched.num_new_matched_tokens(request, 2 * BLOCK)[:2] == (4 * BLOCK, True)  # to 6
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({1: []}, {1: 64}))  # now rank 0 bounds
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (8 * BLOCK, True)
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: []}, {0: 64}))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (9 * BLOCK, True)
+
+
 def test_a_different_prompt_does_not_hit(make_request):
     sched = full_attention()
     request = make_request("r", 100)
