@@ -58,6 +58,7 @@ class OffloadWorker:
         self.fingerprint_extra = fingerprint_extra
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
+        self._on_cuda = False
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._results: list[tuple[TieredResult, _Job]] = []
@@ -73,6 +74,7 @@ class OffloadWorker:
                  num_blocks: int) -> None:
         """Canonicalise the engine's caches and open the tiers."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
+        self._on_cuda = any(t.tensor.is_cuda for t in self.canonical.tensors)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
         self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
         self._pump = threading.Thread(target=self._run_pump, daemon=True,
@@ -100,6 +102,10 @@ class OffloadWorker:
     def start_stores(self, stores: GroupBlocks) -> None:
         if not stores:
             return
+        if self._on_cuda:
+            # The copies run on our own streams, from our threads: let the forward that
+            # wrote these blocks finish first (vLLM syncs at the step's end anyway).
+            torch.cuda.current_stream().synchronize()
         with self._lock:
             job_id = self.store.submit_store(stores)
             self._jobs[job_id] = self._job(None, stores)
