@@ -86,6 +86,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVOffloadMetadata)
+        self._worker.begin_step(meta.step)
         if meta.reset:
             self._worker.reset()
         self._worker.start_loads(meta.loads)

@@ -28,6 +28,8 @@ class KVOffloadMetadata(KVConnectorMetadata):
     """Blocks this step's forward completes, to copy out after it."""
     reset: bool = False
     """Drop everything held in host memory (vLLM's reset_prefix_cache(reset_connector=True))."""
+    step: int = 0
+    """Sequence number: workers echo how far their reports reflect these plans."""
 
 
 # Where one rank holds a key: the scheduler counts holders per state.
@@ -44,6 +46,8 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     changes: dict[int, list[KeyChange]] = field(default_factory=dict)
     host_slots: dict[int, int] = field(default_factory=dict)
     """Per rank: blocks its host tier holds (a load must fit there, disk hits included)."""
+    reflected_step: dict[int, int] = field(default_factory=dict)
+    """Per rank: the stores and resets of every step up to this one show in its changes."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         if not isinstance(other, KVOffloadWorkerMetadata):
@@ -52,4 +56,5 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         merged = dict(self.changes)
         for rank, changes in other.changes.items():
             merged[rank] = merged.get(rank, []) + changes
-        return KVOffloadWorkerMetadata(merged, {**self.host_slots, **other.host_slots})
+        return KVOffloadWorkerMetadata(merged, {**self.host_slots, **other.host_slots},
+                                       {**self.reflected_step, **other.reflected_step})

@@ -14,6 +14,7 @@ by vLLM soon after), and only the blocks some future hit can load (`blocks_worth
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from math import lcm
 from typing import Any
@@ -74,6 +75,13 @@ class OffloadScheduler:
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
         self._loads: dict[str, GroupBlocks] = {}
         self._reset = False
+        # Reports lag the plans by a step; while a request's prefix is being stored, or a
+        # reset is under way, its lookup waits for the report (vLLM asks again next step).
+        self._step = 0
+        self._reset_step: int | None = None
+        self._reflected_by_rank: dict[int, int] = {}
+        self._unreported: deque[tuple[int, list[OffloadKey]]] = deque()  # (step, keys)
+        self._unreported_keys: dict[OffloadKey, int] = {}  # key -> last step storing it
 
     # --- hits ---
 
@@ -88,7 +96,7 @@ class OffloadScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _Request(request)
-        if not self.ready:
+        if not self.ready or self._awaiting_report(request):
             return None, False, None
         if state.load_failed or state.loading:
             return 0, False, None
@@ -148,8 +156,14 @@ class OffloadScheduler:
                 continue
             done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
             self._plan_stores(state, done, stores)
-        meta = KVOffloadMetadata(loads=self._loads, stores=stores, reset=self._reset)
+        meta = KVOffloadMetadata(loads=self._loads, stores=stores, reset=self._reset,
+                                 step=self._step)
+        stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
+        if stored:
+            self._unreported.append((self._step, stored))
+            self._unreported_keys.update(dict.fromkeys(stored, self._step))
         self._loads, self._reset = {}, False
+        self._step += 1
         return meta
 
     def _track_block_ids(self, scheduler_output: Any) -> None:
@@ -209,6 +223,8 @@ class OffloadScheduler:
             reported = {**self._slots_by_rank, **meta.host_slots}
             self._slots_by_rank = reported
             self._host_slots = min(reported.values())
+        self._reflected_by_rank.update(meta.reflected_step)
+        self._forget_reported()
         for rank, changes in meta.changes.items():
             self._ranks_reported.add(rank)
             for key, old, new in changes:
@@ -245,13 +261,42 @@ class OffloadScheduler:
         return False
 
     def reset(self) -> None:
+        """Drop the host tier on every rank with the next step; lookups wait until done."""
         self._reset = True
+        self._reset_step = self._step  # the step whose plans will carry it
 
     @property
     def num_keys(self) -> int:
         return len(self._holders)
 
     # --- helpers ---
+
+    def _awaiting_report(self, request: Any) -> bool:
+        """Whether a reset, or a store of one of this request's blocks, is planned but not
+        yet reported by every rank."""
+        if self._reset_step is not None:
+            return True
+        if not self._unreported_keys:
+            return False
+        hashes = request.block_hashes
+        for g, spec in enumerate(self.specs):
+            per_block = spec.block_size // self.hash_block_size
+            for index in range(per_block - 1, len(hashes), per_block):
+                if (hashes[index], g) in self._unreported_keys:
+                    return True
+        return False
+
+    def _forget_reported(self) -> None:
+        if len(self._reflected_by_rank) < self.world_size:
+            return
+        reflected = min(self._reflected_by_rank.values())
+        if self._reset_step is not None and self._reset_step <= reflected:
+            self._reset_step = None
+        while self._unreported and self._unreported[0][0] <= reflected:
+            step, keys = self._unreported.popleft()
+            for key in keys:
+                if self._unreported_keys.get(key) == step:
+                    del self._unreported_keys[key]
 
     def _hash_of(self, request: Any, group: int, block: int) -> bytes:
         per_block = self.specs[group].block_size // self.hash_block_size

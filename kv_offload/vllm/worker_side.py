@@ -59,6 +59,7 @@ class OffloadWorker:
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
         self._on_cuda = False
+        self._reflected_step = -1
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._results: list[tuple[TieredResult, _Job]] = []
@@ -91,6 +92,11 @@ class OffloadWorker:
                 if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"kv-offload rank {self.rank}: stores did not copy "
                                        f"out of engine memory within {timeout_s} s")
+
+    def begin_step(self, step: int) -> None:
+        """A new step's plans arrived: the previous step's stores have been copied
+        (`wait_for_engine_copies` ran before this step), so reports reflect them."""
+        self._reflected_step = step - 1
 
     def start_loads(self, loads: Mapping[str, GroupBlocks]) -> None:
         with self._lock:
@@ -163,7 +169,8 @@ class OffloadWorker:
                 else:
                     self._reported[key] = state
         return KVOffloadWorkerMetadata({self.rank: changes},
-                                       {self.rank: self.store.cpu.num_slots})
+                                       {self.rank: self.store.cpu.num_slots},
+                                       {self.rank: self._reflected_step})
 
     def take_stats(self) -> KVOffloadStats | None:
         with self._lock:

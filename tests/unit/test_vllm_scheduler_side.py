@@ -465,3 +465,42 @@ def test_sliding_window_block_needed_by_a_later_hit_point_is_stored(make_request
     swa_stored = stored(first, 0) + stored(second, 0)
     # The hit at 128 tokens needs the window before it: sliding-window blocks 2 and 3.
     assert swa_stored == list(zip(hashes_of(request, range(4)), [1, 2, 3, 4]))
+
+
+# --- reports lag plans by a step ---
+
+def test_lookup_waits_while_its_prefix_is_being_stored(make_request):
+    """The prefix a finished request stored is reported one step later: a new request with
+    that prefix waits for the report (vLLM asks again) instead of missing."""
+    sched = full_attention(world_size=2)
+    for rank in (0, 1):
+        sched.apply_worker_meta(KVOffloadWorkerMetadata({rank: []}, {rank: 64}, {rank: -1}))
+    first = make_request("a", 100)
+    sched.num_new_matched_tokens(first, 0)
+    new = NewRequestData.from_request(first, ([1, 2, 3, 4],))
+    meta = sched.build_meta(output(new=[new], scheduled={"a": 100}))
+    assert len(stored(meta)) == 3
+    again = make_request("b", 100)
+    other = make_request("c", 100, first_token=500)
+    assert sched.num_new_matched_tokens(again, 0)[:2] == (None, False)
+    assert sched.num_new_matched_tokens(other, 0)[:2] == (0, False)  # unrelated: no wait
+    done = [(k, ABSENT, IN_HOST) for k in keys(first, range(3))]
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: done}, {}, {0: meta.step}))
+    assert sched.num_new_matched_tokens(again, 0)[:2] == (None, False)  # rank 1 not yet
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({1: done}, {}, {1: meta.step}))
+    assert sched.num_new_matched_tokens(again, 0)[:2] == (96, True)
+
+
+def test_lookup_waits_until_a_reset_is_reported(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, range(3)))
+    sched.reset()
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
+    meta = sched.build_meta(output())
+    assert meta.reset
+    dropped = [(k, IN_HOST, ABSENT) for k in keys(request, range(3))]
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: dropped}, {}, {0: meta.step - 1}))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
+    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: []}, {}, {0: meta.step}))
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
