@@ -23,10 +23,10 @@ reported beside the wall time, and the fastest sample (the least disturbed by ot
 A host/disk pass is invalid unless it got >= prompt - 32 cached tokens; every pass must
 generate the same token as the no-connector engine. vLLM's per-source hit counter
 (vllm:prompt_tokens_cached_by_source) shows which tier the scheduler planned to load each
-pass from. Before each measured request the idle engine is ticked with a sub-block
-request, so the connector's scheduler side has heard the worker's latest inventory.
-The disk tier reads through the OS page cache (the host pool is not 4096-aligned, so no
-O_DIRECT into slots); files written moments before are likely still cached in RAM.
+pass from. The settle sleep lets the background write-through to disk finish before a
+reset drops the host tier (a server resets rarely; its stores land on disk seconds later).
+The disk tier reads host slots with O_DIRECT where the filesystem allows it (the pool is
+page-aligned and slots are 4 KiB multiples), so reads come from the device, not RAM.
 """
 
 from __future__ import annotations
@@ -70,19 +70,13 @@ def _child(spec_path: Path) -> int:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     # One short unrelated request, so no measured pass pays the engine's first-call costs.
     llm.generate([word_prompt(2 * BLOCK_SIZE, offset=499)], params, use_tqdm=False)
-    # Shorter than a block: never stored, never a hit. The connector's scheduler side hears
-    # of finished stores, disk listings and a connector reset only with an engine step, and
-    # an idle engine takes none; a live server steps all the time, so tick it like one.
-    tick = [word_prompt(BLOCK_SIZE // 2, offset=450)]
     samples = []
     for step in spec["steps"]:
         if step["reset"] == "engine" and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
         if step["reset"] == "all" and not llm.reset_prefix_cache(reset_connector=True):
             raise RuntimeError("vLLM refused to reset its prefix cache and the connector")
-        llm.generate(tick, params, use_tqdm=False)  # delivers the reset to the worker
         time.sleep(step["settle_s"])  # background write-through done, disk listing due
-        llm.generate(tick, params, use_tqdm=False)  # brings the worker's inventory back
         hits_before = _hits_by_source(llm)
         t0 = time.perf_counter()
         (out,) = llm.generate([step["prompt"]], params, use_tqdm=False)
