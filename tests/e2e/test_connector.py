@@ -2,8 +2,10 @@
 (`kv_transfer_config` with `kv_connector_module_path`), no patch to vLLM.
 
 Every claim is checked against a run of the same engine without the connector: greedy
-tokens must be identical whether the KV came from recomputation, from our host tier, from
-our disk tier in a new process, or from a corrupted disk tier (which must be recomputed).
+tokens, and the top-5 logprobs of every generated position, must be bit-identical whether
+the KV came from recomputation, from our host tier or from our disk tier in a new process;
+a corrupted disk tier must be recomputed. (Random-weight models decode repetitively, so the
+logprobs, not only the argmax, are what a wrong byte of KV would show up in.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vocab import word_prompt
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 8
+LOGPROBS = 5
 # Longer than gemma3's 64-token window, not multiples of the 32-token engine block.
 PROMPTS = [word_prompt(150), word_prompt(70, offset=200), word_prompt(260, offset=400)]
 MODELS = ["llama", "gemma3"]
@@ -44,7 +47,13 @@ def spec(model_dir: Path, passes: list[dict], kv_transfer_config: dict | None = 
         engine_args["kv_transfer_config"] = kv_transfer_config
     engine_args.update(extra.pop("engine_args", {}))
     return {"model": str(model_dir), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "logprobs": LOGPROBS,
             "passes": passes, "engine_args": engine_args, **extra}
+
+
+def outputs(pass_result: dict[str, Any]) -> list[tuple[list[int], list[dict]]]:
+    """Per request: generated tokens and the top logprobs at each position (exact floats)."""
+    return [(r["token_ids"], r["logprobs"]) for r in pass_result["requests"]]
 
 
 def cached(pass_result: dict[str, Any]) -> list[int]:
@@ -76,11 +85,11 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_outputs_identical_with_connector(runs, model):
-    baseline = token_ids(runs[model]["baseline"]["passes"][0])
+    baseline = outputs(runs[model]["baseline"]["passes"][0])
     cold, from_host = runs[model]["offload"]["passes"]
     assert cached(cold) == [0] * len(PROMPTS)
-    assert token_ids(cold) == baseline
-    assert token_ids(from_host) == baseline
+    assert outputs(cold) == baseline
+    assert outputs(from_host) == baseline
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -111,7 +120,7 @@ def test_new_process_is_served_from_disk(runs, tiny_models, model):
                        work / "from_disk")
     (first,) = fresh["passes"]
     assert cached(first) == full_prefixes(first)
-    assert token_ids(first) == token_ids(runs[model]["baseline"]["passes"][0])
+    assert outputs(first) == outputs(runs[model]["baseline"]["passes"][0])
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -150,7 +159,7 @@ def test_tensor_parallel_2_host_tier(tiny_models, tmp_path):
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout_s=600)
     cold, from_host = result["passes"]
     assert cached(cold) == [0] * len(PROMPTS)
-    assert token_ids(from_host) == token_ids(cold)
+    assert outputs(from_host) == outputs(cold)
     assert cached(from_host) == full_prefixes(from_host)
 
 

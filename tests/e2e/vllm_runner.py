@@ -38,7 +38,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     engine_start_s = time.perf_counter() - started
 
     params = SamplingParams(
-        temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True
+        temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
+        logprobs=spec.get("logprobs"),
     )
     passes = []
     for pass_spec in spec.get("passes", [{}]):
@@ -55,6 +56,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                         "num_cached_tokens": out.num_cached_tokens,
                         "token_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text,
+                        # per generated token: {token id: logprob} of the top candidates
+                        "logprobs": [
+                            {str(t): lp.logprob for t, lp in step.items()}
+                            for step in (out.outputs[0].logprobs or [])
+                        ],
                     }
                     for out in outputs
                 ],
