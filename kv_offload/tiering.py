@@ -200,10 +200,21 @@ class TieredStore:
         """Wait until every write-through has finished (e.g. before shutdown)."""
         deadline = time.monotonic() + timeout
         while self._storage_jobs or self._cpu_jobs:
-            self._done.extend(self.poll())
+            finished = self.poll()  # (poll swaps self._done: read it only afterwards)
+            self._done.extend(finished)
             if time.monotonic() > deadline:
                 raise TimeoutError("write-through did not finish in time")
             time.sleep(0.001)
+
+    def reset(self, *, storage_too: bool = False) -> None:
+        """Forget everything in host memory (loads in progress finish with the old bytes).
+        `storage_too` also waits for pending write-throughs and then empties the storage
+        tier, if it can be emptied (`clear`): e.g. after new weights, nothing may be served."""
+        if storage_too and self.storage is not None:
+            self.flush()
+        self.manager.reset()
+        if storage_too and hasattr(self.storage, "clear"):
+            self.storage.clear()
 
     def close(self) -> None:
         self.cpu.close()
@@ -231,6 +242,9 @@ class TieredStore:
         bad = [k for k, good in zip(keys, succeeded) if not good]
         self.manager.complete_store(bad, False)
         self.manager.complete_store(ok, True)
+        lost = [k for k in ok if not self.manager.is_ready(k)]  # a reset dropped them mid-read
+        ok = [k for k in ok if self.manager.is_ready(k)]
+        bad += lost
         self.manager.prepare_load(ok)
         load.pinned += ok
         load.from_storage = len(ok)

@@ -28,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_offload.config import OffloadConfig, parse_config
 from kv_offload.errors import ConfigError
+from kv_offload.specs import MambaSpec
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler_side import OffloadScheduler
@@ -48,7 +49,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         transfer_config = vllm_config.kv_transfer_config
         self.config = parse_config(transfer_config.kv_connector_extra_config)
         _require_recompute_on_failure(transfer_config)
+        _refuse_unsupported(vllm_config)
         groups = translate_groups(kv_cache_config)
+        _refuse_mamba(groups)
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
         _check_block_size(self.config, hash_block_size)
         parallel = vllm_config.parallel_config
@@ -64,8 +67,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             rank = _worker_rank(parallel)
             self._groups = groups
             self._num_blocks = kv_cache_config.num_blocks
-            self._worker = OffloadWorker(self.config, rank,
-                                         _fingerprint_extra(vllm_config, kv_cache_config, rank))
+            self._worker = OffloadWorker(
+                self.config, rank, _fingerprint_extra(vllm_config, kv_cache_config, groups, rank))
 
     # ---------------- properties ----------------
 
@@ -209,19 +212,48 @@ def _worker_rank(parallel: Any) -> int:
         get_tensor_model_parallel_rank()
 
 
-def _fingerprint_extra(vllm_config: Any, kv_cache_config: Any, rank: int) -> str:
-    """What, beyond the page layout, must match for stored bytes to be reusable: the
-    model (name, revision, config), dtype, hashing, parallel shape and this rank."""
+def _fingerprint_extra(vllm_config: Any, kv_cache_config: Any, groups: list, rank: int) -> str:
+    """What, beyond the page sizes, must match for stored bytes to be reusable: the model
+    (name, revision, config, quantization), every group's spec (dtypes, windows), the cache
+    dtypes, hashing, parallel shape and this rank. Weights changed in place under the same
+    name and config are not seen: reset the connector or use a new fs_root_dir."""
     import vllm
 
     model = vllm_config.model_config
+    cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     hf_config = xxhash.xxh3_64_hexdigest(model.hf_config.to_json_string().encode())
     return "|".join(str(part) for part in (
-        model.model, model.revision, hf_config, model.dtype, kv_cache_config.kv_cache_layout,
-        vllm_config.cache_config.prefix_caching_hash_algo, kv_cache_config.hash_block_size,
+        model.model, model.revision, hf_config, model.dtype, model.quantization,
+        [repr(group.spec) for group in groups], cache.cache_dtype, cache.mamba_cache_dtype,
+        cache.mamba_ssm_cache_dtype, kv_cache_config.kv_cache_layout,
+        cache.prefix_caching_hash_algo, kv_cache_config.hash_block_size,
         f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}",
         f"rank{rank}", f"vllm{vllm.__version__}"))
+
+
+def _refuse_unsupported(vllm_config: Any) -> None:
+    """Context parallelism shards tokens across ranks (a logical block spans ranks and is
+    not `block_size` tokens of this rank): not modelled yet, refuse rather than misplace."""
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise ConfigError(f"KVOffloadConnector does not support {name}={size} yet; "
+                              "run without context parallelism")
+
+
+def _refuse_mamba(groups: list) -> None:
+    """vLLM 0.32 keeps Mamba prefix-cache states at positions it may move or null after
+    the fact ('align' mode, speculative blocks), so a block index does not name a state
+    the connector could store safely. Refuse rather than serve a wrong state."""
+    for index, group in enumerate(groups):
+        if isinstance(group.spec, MambaSpec):
+            raise ConfigError(
+                f"KV-cache group {index} (layers {group.layer_names[:3]}...) is Mamba: the vLLM "
+                "connector does not offload Mamba states yet (vLLM 0.32 moves them between "
+                "blocks after they are written); attention-only and sliding-window hybrids "
+                "are supported")
 
 
 def _warn_if_hashes_are_per_process(vllm_config: Any) -> None:

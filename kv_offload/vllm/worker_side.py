@@ -15,6 +15,7 @@ Engine memory is only read by stores and written by loads:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -35,6 +36,8 @@ from kv_offload.vllm.metadata import (
     OffloadKey,
 )
 from kv_offload.vllm.stats import KVOffloadStats
+
+logger = logging.getLogger(__name__)
 
 DISK_INVENTORY_INTERVAL_S = 1.0  # how often disk keys (evictions, other writers) are re-listed
 _PUMP_INTERVAL_S = 0.002
@@ -151,13 +154,14 @@ class OffloadWorker:
                 else:
                     self._host.difference_update(event.keys)
                 touched.update(event.keys)
-            if time.monotonic() - self._disk_listed_at >= DISK_INVENTORY_INTERVAL_S:
-                listed = self.store.storage_keys()
-                if listed is not None:
-                    disk = set(listed)
-                    touched |= disk ^ self._disk
-                    self._disk = disk
-                self._disk_listed_at = time.monotonic()
+            list_disk = time.monotonic() - self._disk_listed_at >= DISK_INVENTORY_INTERVAL_S
+        if list_disk:  # outside the lock: the tier's index has its own
+            listed = self.store.storage_keys()
+            if listed is not None:
+                disk = set(listed)
+                touched |= disk ^ self._disk
+                self._disk = disk
+            self._disk_listed_at = time.monotonic()
         changes = []
         for key in touched:
             state = IN_HOST if key in self._host else ON_DISK if key in self._disk else ABSENT
@@ -186,9 +190,11 @@ class OffloadWorker:
         return stats
 
     def reset(self) -> None:
-        """Forget everything in host memory (the disk tier keeps its files)."""
+        """Forget everything, host memory and disk files (vLLM resets the connector e.g.
+        after a weight update: nothing stored before may be served after)."""
         with self._lock:
-            self.store.manager.reset()
+            self.store.reset(storage_too=True)
+            self._disk_listed_at = 0.0  # report the dropped disk keys at once
 
     def shutdown(self) -> None:
         """Finish write-through to disk, then stop."""
@@ -198,7 +204,10 @@ class OffloadWorker:
         if self._pump is not None:
             self._pump.join()
         with self._lock:
-            self.store.flush()
+            try:
+                self.store.flush()
+            except Exception:  # never fail vLLM's shutdown: unfinished files are just misses
+                logger.exception("kv-offload rank %d: write-through did not finish", self.rank)
             self.store.close()
         self.store = None
 
@@ -213,7 +222,13 @@ class OffloadWorker:
     def _run_pump(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                done = self.store.poll()
+                try:
+                    done = self.store.poll()
+                except Exception:  # a bug must not hang the engine: fail what is in flight
+                    logger.exception("kv-offload rank %d: transfer bookkeeping failed; "
+                                     "failing the jobs in flight", self.rank)
+                    done = [TieredResult(job_id, "store" if job.request_id is None else "load",
+                                         False, {-1: [-1]}) for job_id, job in self._jobs.items()]
                 now = time.monotonic()
                 for result in done:
                     job = self._jobs.pop(result.job_id)

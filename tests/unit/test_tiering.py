@@ -149,3 +149,23 @@ def test_fingerprint_depends_on_layout_and_extra(extra):
     _, canonical = hybrid()
     assert layout_fingerprint(canonical, extra) == layout_fingerprint(canonical, extra)
     assert layout_fingerprint(canonical, extra) != layout_fingerprint(canonical, extra + "x")
+
+
+def test_reset_while_reading_from_disk_fails_that_load_cleanly(tmp_path):
+    """A reset between submitting a disk read and its completion drops the slot being
+    filled: the load reports those blocks failed (never stale bytes), nothing raises."""
+    buffer, canonical = hybrid()
+    first = make_store(canonical, tmp_path, slots=6)
+    first.wait([first.submit_store({0: ([h(1), h(2)], [1, 2])})])
+    first.flush()
+    first.close()
+    second = make_store(canonical, tmp_path, slots=6)
+    job = second.submit_load({0: ([h(1), h(2)], [4, 5])})  # read into slots in flight
+    second.reset()
+    [loaded] = second.wait([job])
+    assert not loaded.success and loaded.failed == {0: [4, 5]}
+    assert second.lookup([(h(1), 0)]) == [Location.STORAGE]  # the disk copy is still there
+    second.reset(storage_too=True)
+    assert second.lookup([(h(1), 0), (h(2), 0)]) == [Location.ABSENT] * 2
+    assert not list(tmp_path.rglob("*.safetensors"))
+    second.close()

@@ -249,3 +249,32 @@ def test_a_store_without_room_counts_as_skipped(workers):
     stats = worker.take_stats()
     assert stats.count("store_skipped_blocks") == 3
     assert stats.count("store_failed_blocks") == 0
+
+
+def test_reset_drops_disk_files_too_and_survives_a_read_in_flight(workers, tmp_path):
+    """vLLM resets the connector after new weights: nothing stored before may be served
+    after, from host memory or disk. A load reading from disk at that moment fails (its
+    request is recomputed) and the worker keeps working."""
+    engine = Engine()
+    first = make_worker(engine, tmp_path)
+    workers.append(first)
+    hashes = [block_hash(i, b"reset") for i in range(3)]
+    store(first, {0: (hashes, [1, 2, 3])})
+    first.shutdown()
+    worker = make_worker(engine, tmp_path)  # disk only: loads read files into host slots
+    workers.append(worker)
+    assert set(changes(worker).values()) == {(ABSENT, ON_DISK)}
+
+    worker.start_loads({"r": {0: (hashes, [4, 5, 6])}})
+    worker.reset()  # while the files are being read, or right after
+    finished, failed = wait_loads(worker, {"r"})
+    assert worker._pump.is_alive()
+    assert not list((tmp_path / "kv").rglob("*.safetensors"))
+    gone = changes(worker)
+    assert all(new == ABSENT for _, new in gone.values()) and set(gone) >= {
+        (h, 0) for h in hashes}
+    # Still serving: a new store and load round-trip.
+    store(worker, {0: ([block_hash(9, b"reset")], [7])})
+    worker.start_loads({"s": {0: ([block_hash(9, b"reset")], [8])}})
+    assert wait_loads(worker, {"s"}) == ({"s"}, set())
+    assert same_bytes(engine.block_bytes(0, 8), engine.block_bytes(0, 7))

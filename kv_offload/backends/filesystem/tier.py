@@ -167,6 +167,13 @@ class FilesystemTier(StorageTier):
     def keys(self) -> list[bytes]:
         return self._index.keys()
 
+    def clear(self) -> None:
+        """Remove every key and its file (a read in progress still completes: its open file
+        outlives the unlink)."""
+        held = self._index.keys()
+        removed = [key for key in held if self._index.remove(key)]
+        self._delete(removed)
+
     def file_path(self, key: bytes) -> str:
         """Where the file of ``key`` lives (whether or not it exists)."""
         return os.path.join(self._layout_dir, relative_path(key))
