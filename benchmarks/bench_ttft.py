@@ -2,7 +2,6 @@
 
     python benchmarks/bench_ttft.py --json /tmp/ttft.json
     python benchmarks/bench_ttft.py --model-dir /tmp/kvm/big --prompts 3 --prompt-tokens 2000
-    python benchmarks/bench_ttft.py --new-process-disk      # disk pass in a fresh engine process
 
 Builds (or reuses, `--model-dir`) a random-weight Llama-like model (8 layers, hidden 1024,
 16 heads, 4 KV heads: ~1.2 s of prefill for 2000 tokens here), then runs the real vLLM engine
@@ -12,8 +11,8 @@ each of N distinct long prompts, new to every cache, TTFT is the wall time of
 
   cold_with_connector  first sight, engine with KVOffloadConnector (which stores the blocks);
   host                 after `reset_prefix_cache()`: vLLM's cache is gone, our host tier is not;
-  disk                 after `reset_prefix_cache(reset_connector=True)` and a settle sleep:
-                       only our disk files remain (--new-process-disk: a new engine process);
+  disk                 a new engine process over the same disk directory: only our disk
+                       files remain (a connector reset would delete them too);
   cold_no_connector    the same prompt in a separate engine WITHOUT the connector, twice
                        (first sight, then after `reset_prefix_cache()`): the recompute
                        baseline, free of our store cost. Ratios are to its median.
@@ -23,8 +22,8 @@ reported beside the wall time, and the fastest sample (the least disturbed by ot
 A host/disk pass is invalid unless it got >= prompt - 32 cached tokens; every pass must
 generate the same token as the no-connector engine. vLLM's per-source hit counter
 (vllm:prompt_tokens_cached_by_source) shows which tier the scheduler planned to load each
-pass from. The settle sleep lets the background write-through to disk finish before a
-reset drops the host tier (a server resets rarely; its stores land on disk seconds later).
+pass from. A short settle sleep before each request keeps the samples apart (background
+disk writes of the previous request finish first).
 The disk tier reads host slots with O_DIRECT where the filesystem allows it (the pool is
 page-aligned and slots are 4 KiB multiples), so reads come from the device, not RAM.
 """
@@ -74,8 +73,6 @@ def _child(spec_path: Path) -> int:
     for step in spec["steps"]:
         if step["reset"] == "engine" and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
-        if step["reset"] == "all" and not llm.reset_prefix_cache(reset_connector=True):
-            raise RuntimeError("vLLM refused to reset its prefix cache and the connector")
         time.sleep(step["settle_s"])  # background write-through done, disk listing due
         hits_before = _hits_by_source(llm)
         t0 = time.perf_counter()
@@ -163,16 +160,12 @@ def _engine_plans(args: argparse.Namespace, prompts: list[str], warmup: list[str
         for i, p in enumerate(group):
             tiered += [_step("cold_with_connector", p, i, "none", settle, warmup=w),
                        _step("host", p, i, "engine", settle, warmup=w)]
-            if not args.new_process_disk:
-                tiered.append(_step("disk", p, i, "all", settle, warmup=w))
-    plans = [("no-connector", None, baseline), ("connector", connector, tiered)]
-    if args.new_process_disk:
-        # The first process's warm-up prompt is on disk too: it warms this one's load path.
-        disk = [_step("disk", p, i, "none", settle, warmup=w)
-                for w, group in ((True, warmup[:1]), (False, prompts))
-                for i, p in enumerate(group)]
-        plans.append(("connector-new-process", connector, disk))
-    return plans
+    # The first process's warm-up prompt is on disk too: it warms this one's load path.
+    disk = [_step("disk", p, i, "none", settle, warmup=w)
+            for w, group in ((True, warmup[:1]), (False, prompts))
+            for i, p in enumerate(group)]
+    return [("no-connector", None, baseline), ("connector", connector, tiered),
+            ("connector-new-process", connector, disk)]
 
 
 def _run_child(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -294,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({
             "model": {"path": str(model), **MODEL_SIZES}, "num_prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "settle_s": args.settle_s,
-            "new_process_disk": args.new_process_disk, "goals": GOALS,
+            "goals": GOALS,
             "connector_extra_config": CONNECTOR_EXTRA, "engine_start_s": starts,
             "load_average_before_after": loads,
             **summary, "samples": results}, indent=2))
@@ -313,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="sleep before each request: background disk writes finish and the "
                              "scheduler's disk listing (refreshed every 1 s) catches up")
-    parser.add_argument("--new-process-disk", action="store_true",
-                        help="run the disk pass in a fresh engine process (nothing in host memory)")
     parser.add_argument("--work-dir", type=Path,
                         help="engine logs and the disk tier (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
