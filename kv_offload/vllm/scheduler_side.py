@@ -42,12 +42,13 @@ class _Request:
     loading: bool = False
     load_failed: bool = False
     finished: bool = False
+    counted: bool = False  # its lookup is in the stats (vLLM re-asks a request it skipped)
 
 
 @dataclass(frozen=True)
 class LookupResult:
-    """What `get_num_new_matched_tokens` learnt, for stats: hit tokens beyond the
-    engine's own prefix hit."""
+    """What `get_num_new_matched_tokens` learnt, for stats (once per request): hit tokens
+    beyond the engine's own prefix hit."""
 
     query_tokens: int
     hit_tokens: int
@@ -92,7 +93,8 @@ class OffloadScheduler:
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                ) -> tuple[int | None, bool, LookupResult | None]:
-        """(tokens to load beyond the engine's own hit, load asynchronously, stats)."""
+        """(tokens to load beyond the engine's own hit, load asynchronously, stats or None
+        when this request was counted already)."""
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _Request(request)
@@ -101,7 +103,9 @@ class OffloadScheduler:
         if state.load_failed or state.loading:
             return 0, False, None
         hit = self._longest_hit(request, num_computed_tokens)
-        result = LookupResult(request.num_tokens, max(0, hit.num_tokens - num_computed_tokens))
+        result = None if state.counted else LookupResult(
+            request.num_tokens, max(0, hit.num_tokens - num_computed_tokens))
+        state.counted = True
         if hit.num_tokens <= num_computed_tokens:
             return 0, False, result
         self._pending_hits[request.request_id] = (hit, num_computed_tokens)

@@ -504,3 +504,13 @@ def test_lookup_waits_until_a_reset_is_reported(make_request):
     assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
     sched.apply_worker_meta(KVOffloadWorkerMetadata({0: []}, {}, {0: meta.step}))
     assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
+
+
+def test_a_request_asked_again_is_counted_in_the_stats_once(make_request):
+    """vLLM asks again about a request it could not schedule yet: one lookup in the stats."""
+    sched = full_attention()
+    report(sched, 0)
+    request = make_request("r", 100)
+    first = sched.num_new_matched_tokens(request, 0)[2]
+    assert first is not None and first.query_tokens == 100
+    assert sched.num_new_matched_tokens(request, 0)[2] is None
