@@ -1,5 +1,5 @@
-"""OffloadScheduler (the connector's scheduler side) driven with vLLM's real Request and
-SchedulerOutput objects; no engine is started."""
+"""OffloadScheduler (the connector's scheduler side): hits, load plans, request ends and
+report lag, driven with vLLM's real Request and SchedulerOutput objects; no engine."""
 
 from __future__ import annotations
 
@@ -7,98 +7,31 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1 import kv_cache_interface as vkv  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.output import (  # noqa: E402
-    CachedRequestData,
-    NewRequestData,
-    SchedulerOutput,
-)
-from vllm.v1.request import Request  # noqa: E402
-
-from kv_offload.vllm.metadata import (  # noqa: E402
+from vllm_scheduler_helpers import (  # noqa: E402
     ABSENT,
+    ATTN,
+    BLOCK,
     IN_HOST,
     ON_DISK,
     KVOffloadWorkerMetadata,
+    NewRequestData,
+    full_attention,
+    hashes_of,
+    keys,
+    mixed_block_sizes,
+    output,
+    report,
+    request_factory,
+    run_hit,
+    scheduler_for,
+    stored,
+    vkv,
 )
-from kv_offload.vllm.scheduler_side import OffloadScheduler  # noqa: E402
-from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
-
-BLOCK = 32
-ATTN = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def hasher():
-    init_none_hash(sha256)  # as vLLM's EngineCore does, with the default algo
-    return get_request_block_hasher(BLOCK, sha256)
 
 
 @pytest.fixture
-def make_request(hasher):
-    def make(req_id: str, num_tokens: int, first_token: int = 1) -> Request:
-        return Request(req_id, list(range(first_token, first_token + num_tokens)),
-                       SamplingParams(max_tokens=16), None, block_hasher=hasher)
-    return make
-
-
-def scheduler_for(*vllm_specs: vkv.KVCacheSpec, world_size: int = 1) -> OffloadScheduler:
-    """Our scheduler over vLLM specs, translated the way the connector does it."""
-    config = vkv.KVCacheConfig(
-        num_blocks=64, kv_cache_tensors=[],
-        kv_cache_groups=[vkv.KVCacheGroupSpec([f"layers.{g}"], spec)
-                         for g, spec in enumerate(vllm_specs)])
-    return OffloadScheduler([g.spec for g in translate_groups(config)], BLOCK, world_size)
-
-
-def full_attention(world_size: int = 1) -> OffloadScheduler:
-    return scheduler_for(vkv.FullAttentionSpec(**ATTN), world_size=world_size)
-
-
-def keys(request: Request, blocks, group: int = 0) -> list[tuple[bytes, int]]:
-    return [(bytes(request.block_hashes[i]), group) for i in blocks]
-
-
-def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST) -> None:
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({rank: [(k, old, new) for k in changed]}))
-
-
-def output(new=(), cached: CachedRequestData | None = None, scheduled=None,
-           spec_tokens=None) -> SchedulerOutput:
-    scheduled = scheduled or {}
-    return SchedulerOutput(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
-        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens=spec_tokens or {}, scheduled_encoder_inputs={},
-        finished_req_ids=set(), free_encoder_mm_hashes=[])
-
-
-def cached_step(request: Request, new_block_ids, resumed: bool = False) -> CachedRequestData:
-    return CachedRequestData(
-        req_ids=[request.request_id], resumed_req_ids={request.request_id} if resumed else set(),
-        new_token_ids=[[]], all_token_ids={}, new_block_ids=[new_block_ids],
-        num_computed_tokens=[request.num_computed_tokens], num_output_tokens=[0])
-
-
-def stored(meta, group: int = 0) -> list[tuple[bytes, int]]:
-    hashes, ids = meta.stores.get(group, ([], []))
-    return list(zip(hashes, ids))
-
-
-def hashes_of(request: Request, blocks) -> list[bytes]:
-    return [bytes(request.block_hashes[i]) for i in blocks]
-
-
-def run_hit(sched: OffloadScheduler, request: Request, block_ids, local: int = 0):
-    """Lookup, then vLLM's allocation; returns (tokens, async, load plan of the request)."""
-    tokens, load_async, _ = sched.num_new_matched_tokens(request, local)
-    sched.after_alloc(request, block_ids, tokens or 0)
-    return tokens, load_async
+def make_request():
+    return request_factory()
 
 
 # --- (1), (2): readiness and the all-ranks rule ---
@@ -232,108 +165,6 @@ def test_no_load_when_vllm_allocates_no_external_tokens(make_request):
     assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)  # not marked loading
 
 
-# --- (5): store plans ---
-
-def test_stores_blocks_completed_by_each_step_once(make_request):
-    sched = full_attention()
-    request = make_request("r", 100)  # 3 full blocks + 4 tokens
-    report(sched, 0)
-    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
-    sched.after_alloc(request, ([1, 2, 3, 4],), 0)
-    new = NewRequestData.from_request(request, ([1, 2],))
-    meta = sched.build_meta(output(new=[new], scheduled={"r": 40}))  # chunked prefill
-    assert stored(meta) == list(zip(hashes_of(request, [0]), [1]))
-    request.num_computed_tokens = 40  # vLLM's _update_after_schedule
-    meta = sched.build_meta(output(cached=cached_step(request, ([3, 4],)),
-                                   scheduled={"r": 60}))
-    assert stored(meta) == list(zip(hashes_of(request, [1, 2]), [2, 3]))  # appended ids
-    request.num_computed_tokens = 100
-    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 1}))
-    assert meta.stores == {}  # nothing new completed, nothing stored twice
-
-
-def test_decode_tokens_complete_blocks_as_their_hashes_arrive(make_request):
-    sched = full_attention()
-    request = make_request("r", 62)
-    sched.num_new_matched_tokens(request, 0)
-    meta = sched.build_meta(output(new=[NewRequestData.from_request(request, ([5, 6],))],
-                                   scheduled={"r": 62}))
-    assert stored(meta) == list(zip(hashes_of(request, [0]), [5]))
-    request.num_computed_tokens = 62
-    request.append_output_token_ids([900, 901])  # 64 tokens: vLLM hashes block 1
-    assert len(request.block_hashes) == 2
-    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 1}))
-    assert meta.stores == {}  # token 63 is not computed yet
-    request.num_computed_tokens = 63
-    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 1}))
-    assert stored(meta) == list(zip(hashes_of(request, [1]), [6]))
-
-
-def test_speculative_tokens_are_not_counted_as_computed(make_request):
-    sched = full_attention()
-    request = make_request("r", 64)
-    sched.num_new_matched_tokens(request, 0)
-    new = NewRequestData.from_request(request, ([5, 6, 7],))
-    meta = sched.build_meta(output(new=[new], scheduled={"r": 33}))
-    assert stored(meta) == list(zip(hashes_of(request, [0]), [5]))
-    request.num_computed_tokens = 33
-    # 31 scheduled tokens of which 2 are draft tokens: block 1 is not complete yet.
-    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 31},
-                                   spec_tokens={"r": [7, 8]}))
-    assert meta.stores == {}
-    request.num_computed_tokens = 62
-    meta = sched.build_meta(output(cached=cached_step(request, None), scheduled={"r": 3},
-                                   spec_tokens={"r": [7]}))
-    assert stored(meta) == list(zip(hashes_of(request, [1]), [6]))
-
-
-def test_keys_held_by_every_rank_are_not_stored_again(make_request):
-    sched = full_attention(world_size=2)
-    request = make_request("r", 100)
-    report(sched, 0, keys(request, [0, 1]))
-    report(sched, 1, keys(request, [0]), new=ON_DISK)
-    sched.num_new_matched_tokens(request, 0)  # hit of block 0 only: take none of it
-    sched.after_alloc(request, ([1, 2, 3, 4],), 0)
-    new = NewRequestData.from_request(request, ([1, 2, 3, 4],))
-    meta = sched.build_meta(output(new=[new], scheduled={"r": 100}))
-    # Block 0 is on both ranks; block 1 only on rank 0 (rank 1 still needs it).
-    assert stored(meta) == list(zip(hashes_of(request, [1, 2]), [2, 3]))
-
-
-def test_resumed_request_block_ids_replace_the_old_ones(make_request):
-    sched = full_attention()
-    request = make_request("r", 100)
-    sched.num_new_matched_tokens(request, 0)
-    new = NewRequestData.from_request(request, ([1, 2],))
-    assert len(stored(sched.build_meta(output(new=[new], scheduled={"r": 64})))) == 2
-    # Preempted (blocks freed), then resumed with a fresh allocation and a local hit of 64.
-    request.num_computed_tokens = 64
-    meta = sched.build_meta(output(cached=cached_step(request, ([7, 8, 9, 10],), resumed=True),
-                                   scheduled={"r": 36}))
-    assert stored(meta) == list(zip(hashes_of(request, [2]), [9]))
-
-
-def test_sliding_window_stores_skip_null_blocks(make_request):
-    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
-                          vkv.FullAttentionSpec(**ATTN))
-    request = make_request("r", 4 * BLOCK + 1)
-    sched.num_new_matched_tokens(request, 0)
-    new = NewRequestData.from_request(request, ([0, 21, 22, 23, 24], [30, 31, 32, 33, 34]))
-    meta = sched.build_meta(output(new=[new], scheduled={"r": 4 * BLOCK + 1}))
-    assert stored(meta, 1) == list(zip(hashes_of(request, range(4)), [30, 31, 32, 33]))
-    assert stored(meta, 0) == list(zip(hashes_of(request, [1, 2, 3]), [21, 22, 23]))
-
-
-def test_unknown_and_finished_requests_plan_nothing(make_request):
-    sched = full_attention()
-    request = make_request("r", 100)
-    new = NewRequestData.from_request(request, ([1, 2, 3, 4],))
-    assert sched.build_meta(output(new=[new], scheduled={"r": 100})).stores == {}
-    sched.num_new_matched_tokens(request, 0)
-    assert sched.request_finished("r") is False
-    assert sched.build_meta(output(new=[new], scheduled={"r": 100})).stores == {}
-
-
 # --- (6), (7): load failures and request ends ---
 
 def hit_and_load(sched, request, block_ids):
@@ -428,15 +259,6 @@ def test_source_is_disk_for_a_hit_only_on_disk(make_request):
     assert sched.source_of("r") == "disk"
 
 
-# --- groups whose block size is a multiple of the hash block size ---
-
-def mixed_block_sizes() -> OffloadScheduler:
-    """Sliding window (32-token blocks, window 64) beside full attention with 64-token
-    blocks: vLLM hashes every 32 tokens (the gcd) and the full group uses every 2nd hash."""
-    return scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
-                         vkv.FullAttentionSpec(**{**ATTN, "block_size": 2 * BLOCK}))
-
-
 def test_a_larger_block_is_keyed_by_the_hash_at_its_end(make_request):
     sched = mixed_block_sizes()
     request = make_request("r", 4 * BLOCK + 1)  # 4 hashes = 2 blocks of the full group
@@ -450,21 +272,6 @@ def test_a_larger_block_is_keyed_by_the_hash_at_its_end(make_request):
     # Without the hash at the end of full block 1, only the first 64 tokens hit.
     report(sched, 0, [(bytes(request.block_hashes[3]), 1)], old=IN_HOST, new=ABSENT)
     assert sched.num_new_matched_tokens(make_request("s", 4 * BLOCK + 1), 0)[:2] == (64, True)
-
-
-def test_sliding_window_block_needed_by_a_later_hit_point_is_stored(make_request):
-    sched = mixed_block_sizes()
-    request = make_request("r", 4 * BLOCK + 1)
-    report(sched, 0)
-    sched.num_new_matched_tokens(request, 0)
-    new = NewRequestData.from_request(request, ([1, 2, 3], [10, 11]))
-    first = sched.build_meta(output(new=[new], scheduled={"r": 3 * BLOCK}))  # chunked prefill
-    request.num_computed_tokens = 3 * BLOCK
-    second = sched.build_meta(output(cached=cached_step(request, ([4], [])),
-                                     scheduled={"r": BLOCK + 1}))
-    swa_stored = stored(first, 0) + stored(second, 0)
-    # The hit at 128 tokens needs the window before it: sliding-window blocks 2 and 3.
-    assert swa_stored == list(zip(hashes_of(request, range(4)), [1, 2, 3, 4]))
 
 
 # --- reports lag plans by a step ---
