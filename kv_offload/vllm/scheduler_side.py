@@ -70,8 +70,7 @@ class OffloadScheduler:
         self._holders: dict[OffloadKey, int] = {}  # key -> ranks that can load it
         self._in_host: dict[OffloadKey, int] = {}  # key -> ranks holding it in host memory
         self._ranks_reported: set[int] = set()
-        self._host_slots = 0  # the smallest host tier over the ranks, in blocks
-        self._slots_by_rank: dict[int, int] = {}
+        self._slots_by_rank: dict[int, int] = {}  # host tier size of each rank, in blocks
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
         self._loads: dict[str, GroupBlocks] = {}
@@ -116,7 +115,8 @@ class OffloadScheduler:
         host slots, also from disk): a longer one could never be loaded."""
         is_cached = self._is_cached_fn(request)
         max_length = request.num_tokens - 1  # vLLM always computes the last token
-        room = max(1, self._host_slots // 2) if self._host_slots else float("inf")
+        slots = min(self._slots_by_rank.values(), default=0)
+        room = max(1, slots // 2) if slots else float("inf")
         while True:
             hit = find_longest_cache_hit(self.specs, is_cached, max_length)
             to_load = sum(1 for g, spec in enumerate(self.specs) for i in hit.blocks[g]
@@ -223,10 +223,7 @@ class OffloadScheduler:
     def apply_worker_meta(self, meta: KVOffloadWorkerMetadata | None) -> None:
         if meta is None:
             return
-        if meta.host_slots:
-            reported = {**self._slots_by_rank, **meta.host_slots}
-            self._slots_by_rank = reported
-            self._host_slots = min(reported.values())
+        self._slots_by_rank.update(meta.host_slots)
         self._reflected_by_rank.update(meta.reflected_step)
         self._forget_reported()
         for rank, changes in meta.changes.items():
