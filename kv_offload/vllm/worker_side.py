@@ -127,9 +127,9 @@ class OffloadWorker:
         with self._lock:
             results, self._results = self._results, []
         for result, job in results:
+            failed_blocks = sum(len(ids) for ids in result.failed.values())
             if result.kind == "load":
                 finished.add(job.request_id)
-                failed_blocks = sum(len(ids) for ids in result.failed.values())
                 if failed_blocks:
                     failed.add(job.request_id)
                     self._disk_listed_at = 0.0  # a bad file was dropped: re-list soon
@@ -138,7 +138,6 @@ class OffloadWorker:
             elif result.no_room:
                 self._stats.record_store(0, 0, 0.0, skipped_blocks=job.num_blocks)
             else:
-                failed_blocks = sum(len(ids) for ids in result.failed.values())
                 self._stats.record_store(job.num_blocks, job.num_bytes, job.seconds,
                                          failed_blocks)
         return finished, failed
