@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kv_offload.backends.base import StorageTier
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig
 from kv_offload.manager import OffloadKey, OffloadManager
-from kv_offload.transfer import StorageTier
 
 # {group: (block hashes, engine block ids)}; pair i is hash i <-> block i.
 Requests = Mapping[int, tuple[Sequence[bytes | int], Sequence[int]]]
@@ -213,7 +213,7 @@ class TieredStore:
         if storage_too and self.storage is not None:
             self.flush()
         self.manager.reset()
-        if storage_too and hasattr(self.storage, "clear"):
+        if storage_too and self.storage is not None:
             self.storage.clear()
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_offload.backends.base import TierStats
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.specs import KVCacheGroup
@@ -181,9 +182,9 @@ class OffloadWorker:
             # Slots in use (O(1); `len(manager)` walks every key).
             host_used = (store.cpu.num_slots - store.manager.num_free_slots) * store.cpu.slot_bytes
             host_total = store.cpu.num_slots * store.cpu.slot_bytes
-            disk = store.storage.stats() if hasattr(store.storage, "stats") else None
-        self._stats.set_usage(host_used, host_total, disk.bytes_used if disk else 0,
-                              disk.bytes_budget if disk else 0, rank=self.rank)
+            disk = store.storage.stats() if store.storage is not None else TierStats()
+        self._stats.set_usage(host_used, host_total, disk.bytes_used, disk.bytes_budget,
+                              rank=self.rank)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVOffloadStats()

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kv_offload.backends.base import StorageTier, TierJobResult, check_tier_keys, check_tier_request
 from kv_offload.errors import TierClosedError
-from kv_offload.transfer import StorageTier, TierJobResult, check_tier_keys, check_tier_request
 
 
 class DictTier(StorageTier):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from kv_offload.transfer import StorageTier, TierJobResult
+from kv_offload.backends.base import StorageTier, TierJobResult
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kv_offload.backends.base import TierStats
 from kv_offload.errors import ConfigError
 
 
@@ -47,15 +48,7 @@ class FilesystemTierConfig:
 
 
 @dataclass(frozen=True)
-class FilesystemTierStats:
+class FilesystemTierStats(TierStats):
     """A snapshot of what the tier holds and what it did since it started."""
 
-    keys: int
-    bytes_used: int
-    bytes_budget: int
-    direct_io: bool
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> int:
-        """A counter by name (0 if it never happened), e.g. ``stats["write_failed"]``."""
-        return self.counts.get(name, 0)
+    direct_io: bool = False

@@ -28,6 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kv_offload.backends.base import (
+    StorageTier,
+    TierJobResult,
+    check_tier_keys,
+    check_tier_request,
+)
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
 from kv_offload.backends.filesystem.directory import prepare_layout_dir, scan_layout_dir
 from kv_offload.backends.filesystem.fileformat import (
@@ -49,12 +55,6 @@ from kv_offload.backends.filesystem.io_engine import (
     unlink_quietly,
 )
 from kv_offload.errors import TierClosedError
-from kv_offload.transfer import (
-    StorageTier,
-    TierJobResult,
-    check_tier_keys,
-    check_tier_request,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +157,11 @@ class FilesystemTier(StorageTier):
         with self._lock:
             counts = dict(self._counts)
         return FilesystemTierStats(
-            len(self._index),
-            self._index.used_bytes,
-            self.config.bytes_to_use,
-            self._io.direct,
-            counts,
+            keys=len(self._index),
+            bytes_used=self._index.used_bytes,
+            bytes_budget=self.config.bytes_to_use,
+            counts=counts,
+            direct_io=self._io.direct,
         )
 
     def keys(self) -> list[bytes]:

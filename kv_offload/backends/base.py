@@ -1,0 +1,193 @@
+"""The interface of secondary storage tiers (disk, object stores, remote memory...).
+
+Contents:
+- `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close) and
+  optional hooks with working defaults (take_changes, keys, clear, stats): callers never probe.
+- `TierJobResult`, `TierChanges`, `TierStats`: what a tier hands back.
+- `check_tier_keys`, `check_tier_request`: the argument checks every tier shares.
+
+Built-in tiers are registered by name in `kv_offload.backends` and imported lazily.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_offload.errors import TierRequestError
+
+# Secondary tiers
+#
+# A secondary tier (disk, object store, remote memory...) sits behind the host-memory tier and
+# only ever sees host buffers: 1-D uint8/int8 CPU tensors that are views into the host pool.
+# It never touches engine tensors or the GPU. Keys are opaque bytes chosen by the caller; the
+# same key always names the same bytes (keys are derived from content hashes), so a tier may
+# skip rewriting a key it already holds.
+
+HOST_BUFFER_DTYPES = (torch.uint8, torch.int8)
+
+
+@dataclass(frozen=True)
+class TierJobResult:
+    """The outcome of one tier job: one success flag per key, in submission order."""
+
+    job_id: int
+    keys: tuple[bytes, ...]
+    succeeded: tuple[bool, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every key of the job succeeded."""
+        return all(self.succeeded)
+
+    @property
+    def failed_keys(self) -> tuple[bytes, ...]:
+        """The keys that failed (a read left their buffer undefined; a write stored nothing)."""
+        return tuple(k for k, ok in zip(self.keys, self.succeeded) if not ok)
+
+
+@dataclass(frozen=True)
+class TierChanges:
+    """Keys that became readable (`added`) or stopped being readable (`removed`) since the
+    previous `take_changes`: own writes, evictions, bad files dropped, and what a rescan
+    found other processes did. The latest state of a key wins: a key never appears in both."""
+
+    added: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.added) + len(self.removed)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of what a tier holds, and counters of what it did (by name)."""
+
+    keys: int = 0
+    bytes_used: int = 0
+    bytes_budget: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> int:
+        """A counter by name (0 if it never happened), e.g. ``stats["write_failed"]``."""
+        return self.counts.get(name, 0)
+
+
+class StorageTier(ABC):
+    """A secondary tier that stores host buffers under opaque byte keys.
+
+    Contract for implementers:
+    - ``lookup`` answers from memory, never blocks on I/O: the scheduler calls it every step.
+    - ``submit_write`` / ``submit_read`` return a job id at once and do the work in the
+      background (or synchronously, for a tier that is fast enough). The caller keeps the
+      buffers alive and untouched until that job id comes back from ``poll``.
+    - Faults (missing, corrupt or foreign data, full or read-only storage) never raise: the key
+      is reported as failed in the job's ``TierJobResult``. Only bad arguments raise, as
+      ``TierRequestError`` (see ``check_tier_request``), and use after ``close`` raises
+      ``TierClosedError``.
+    - A read fills the caller's buffer in place; a key stored with a different size fails.
+    """
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored. A hint: a later read may still fail (evicted, corrupt)."""
+
+    @abstractmethod
+    def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        """Start storing ``buffers[i]`` under ``keys[i]``; return the job id."""
+
+    @abstractmethod
+    def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        """Start filling ``buffers[i]`` with the bytes stored under ``keys[i]``; return job id."""
+
+    @abstractmethod
+    def poll(self) -> list[TierJobResult]:
+        """Return the jobs finished since the last call, each exactly once. Never blocks."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for in-flight jobs (their results stay pollable) and release resources.
+
+        Idempotent; submitting after close raises ``TierClosedError``.
+        """
+
+    # -- optional hooks: the defaults below are correct for a tier that does nothing more --
+
+    def take_changes(self, max_keys: int) -> TierChanges:
+        """Keys added or removed since the last call, at most ``max_keys`` of them (the rest
+        wait for the next call). The first calls list every key the tier already holds (e.g.
+        files from before a restart), in chunks. Must not block on I/O: the caller runs it
+        on every engine step. Default: nothing; the caller then knows only the keys it
+        wrote itself and learns of evictions when a read fails."""
+        return TierChanges()
+
+    def keys(self) -> list[bytes] | None:
+        """Every key held now, from memory (tools, tests). None: the tier cannot list."""
+        return None
+
+    def clear(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
+        """Remove every key (tools, tests). Default: nothing to remove."""
+
+    def stats(self) -> TierStats:
+        """What the tier holds and counters of what it did. Default: nothing known."""
+        return TierStats()
+
+
+def check_tier_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> None:
+    """Raise ``TierRequestError`` unless every key is non-empty ``bytes`` (of bounded length)."""
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or not key:
+            raise TierRequestError(f"key {i} must be non-empty bytes, got {key!r}")
+        if max_key_bytes is not None and len(key) > max_key_bytes:
+            raise TierRequestError(
+                f"key {i} ({key.hex()}) is {len(key)} bytes; this tier accepts at most "
+                f"{max_key_bytes}"
+            )
+
+
+def check_tier_request(
+    keys: Sequence[bytes],
+    buffers: Sequence[torch.Tensor],
+    *,
+    max_key_bytes: int | None = None,
+) -> None:
+    """Raise ``TierRequestError`` unless keys and buffers form a valid tier request.
+
+    Valid: as many buffers as keys, no key twice, every buffer a non-empty contiguous 1-D
+    uint8/int8 CPU tensor.
+    """
+    if len(keys) != len(buffers):
+        raise TierRequestError(
+            f"got {len(keys)} keys but {len(buffers)} buffers; expected one buffer per key"
+        )
+    check_tier_keys(keys, max_key_bytes=max_key_bytes)
+    if len(set(keys)) != len(keys):
+        seen: set[bytes] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))
+        raise TierRequestError(f"key {dup.hex()} appears twice in one request")
+    for key, buf in zip(keys, buffers):
+        problem = _host_buffer_problem(buf)
+        if problem:
+            raise TierRequestError(
+                f"buffer for key {key.hex()}: {problem}; expected a non-empty contiguous 1-D "
+                f"uint8/int8 CPU tensor"
+            )
+
+
+def _host_buffer_problem(buf: object) -> str | None:
+    if not isinstance(buf, torch.Tensor):
+        return f"got {type(buf).__name__}"
+    if buf.device.type != "cpu":
+        return f"device is {buf.device}"
+    if buf.dtype not in HOST_BUFFER_DTYPES:
+        return f"dtype is {buf.dtype}"
+    if buf.dim() != 1:
+        return f"shape is {tuple(buf.shape)}"
+    if buf.numel() == 0:
+        return "it is empty"
+    if not buf.is_contiguous():
+        return f"it is not contiguous (stride {buf.stride()})"
+    return None
