@@ -145,8 +145,13 @@ class TieredStore:
             self._finish(TieredResult(job_id, Direction.STORE, True))
         else:  # a key listed twice is stored once, from its first block
             firsts = {k: targets[k][:1] for k in plan.keys}
-            store = Store(job_id, plan.keys, targets)
-            self._submit_cpu(store, Direction.STORE, transfers(plan.keys, plan.slots, firsts))
+            try:
+                self._submit_cpu(Store(job_id, plan.keys, targets), Direction.STORE,
+                                 transfers(plan.keys, plan.slots, firsts))
+            except Exception as exc:  # e.g. the host tier is closing
+                self.faults.failed("store submit", exc)
+                self.manager.complete_store(list(plan.keys), False)
+                self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
         return job_id
 
     def submit_load(self, requests: GroupBlocks) -> int:
@@ -242,8 +247,12 @@ class TieredStore:
         if not keys or load.closed:
             return
         slots = self.manager.prepare_load(keys)
+        try:
+            self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets))
+        except Exception:
+            self.manager.complete_load(keys)
+            raise
         load.pending += 1
-        self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets))
 
     def _stage(self, load: Load) -> None:
         """Start reading the load's waiting storage keys, a batch at a time, as host room
@@ -290,6 +299,9 @@ class TieredStore:
 
     def _read_done(self, read: Read, succeeded: Sequence[bool]) -> None:
         load = read.load
+        if not read.given_up:  # first: a fault below must not leave the load pending
+            load.reads.remove(read)
+            load.pending -= 1
         ok = [k for k, good in zip(read.keys, succeeded) if good]
         bad = [k for k, good in zip(read.keys, succeeded) if not good]
         self.manager.complete_store(bad, False)
@@ -299,8 +311,6 @@ class TieredStore:
             self.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
         if read.given_up:  # the load went on without it: its bytes just stay in host slots
             return
-        load.reads.remove(read)
-        load.pending -= 1
         loaded = [k for k in ok if self.manager.is_ready(k)]  # a reset may have dropped some
         load.failed += bad + [k for k in ok if not self.manager.is_ready(k)]
         load.from_storage += len(loaded)
@@ -309,10 +319,10 @@ class TieredStore:
         self._finish_load_if_done(load)
 
     def _load_copied(self, load: Load, keys: list[OffloadKey], success: bool) -> None:
-        self.manager.complete_load(keys)
-        load.pending -= 1
+        load.pending -= 1  # first: a fault below must not leave the load pending
         if not success:
             load.failed += keys
+        self.manager.complete_load(keys)
         self._stage(load)
         self._finish_load_if_done(load)
 
@@ -339,9 +349,9 @@ class TieredStore:
         self._staged.pop(load.job_id, None)
 
     def _finish_load_if_done(self, load: Load) -> None:
-        if load.pending and not load.closed:
-            return
-        if load.waiting and not load.closed:
+        """Deliver the load's result once nothing of it is in flight: even a load that
+        failed whole waits for its copies, so vLLM never reuses blocks we still write."""
+        if load.pending or (load.waiting and not load.closed):
             return
         failed = blocks_of({k: load.targets[k] for k in dict.fromkeys(load.failed)})
         self._finish(TieredResult(load.job_id, Direction.LOAD, not failed and not load.closed,

@@ -95,7 +95,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Runs before every forward: last step's stores must be out of engine memory
         # before vLLM can reuse their blocks.
-        self._contained("handle_preemptions", self._worker.wait_for_engine_copies, None)
+        self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
+                        self._worker.abandon_stores)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -108,8 +109,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_loads(meta.loads, meta.failed_loads)
 
         def fail_all() -> None:  # whatever was promised must come back, as failed
-            loads = getattr(meta, "loads", {})
-            self._worker.start_loads({}, [*loads, *getattr(meta, "failed_loads", ())])
+            self._worker.fail_loads([*getattr(meta, "loads", {}),
+                                     *getattr(meta, "failed_loads", ())])
 
         self._contained("start_load_kv", start, fail_all)
 
@@ -197,15 +198,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         return self._contained("build_connector_meta",
                                lambda: self._scheduler.build_meta(scheduler_output),
-                               self._scheduler.fallback_meta, KVOffloadMetadata())
+                               lambda: self._scheduler.fallback_meta(scheduler_output),
+                               KVOffloadMetadata())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        def update() -> None:
-            self._scheduler.apply_worker_meta(connector_output.kv_connector_worker_meta)
-            self._scheduler.loads_finished(set(connector_output.finished_recving or ()),
-                                           set(connector_output.failed_recving or ()))
-
-        self._contained("update_connector_output", update, None)
+        self._contained("update_connector_output", lambda: self._scheduler.apply_worker_meta(
+            connector_output.kv_connector_worker_meta), None)
+        self._contained("update_connector_output", lambda: self._scheduler.loads_finished(
+            set(connector_output.finished_recving or ()),
+            set(connector_output.failed_recving or ())), None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         return self._finished(request)

@@ -39,6 +39,7 @@ class _Request:
     frontiers: list[StoreFrontier] = field(default_factory=list)  # per group: store decisions
     wait_until_step: int = -1  # its lookup waits until every rank reflects this step
     waiting_since: float | None = None
+    stores_off: bool = False  # its block table may be wrong (a step was missed): never store
     loading: bool = False
     load_failed: bool = False
     finished: bool = False
@@ -149,6 +150,7 @@ class OffloadScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            state.loading = False  # it runs: vLLM saw its load end (even if we missed that)
             done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
             self._plan_stores(state, done, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
@@ -182,6 +184,8 @@ class OffloadScheduler:
         """Add the blocks of this request that became worth storing (linear over the
         request's life: each group's `StoreFrontier` decides each block once)."""
         request = state.request
+        if state.stores_off:
+            return
         if not state.frontiers:
             state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)
                                for spec in self.specs]
@@ -265,9 +269,16 @@ class OffloadScheduler:
         """Keys some rank holds (tests and tools; O(ranks))."""
         return len(set().union(*self._held.values())) if self._held else 0
 
-    def fallback_meta(self) -> KVOffloadMetadata:
+    def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
         """This step's metadata when `build_meta` failed: no stores, and every load
-        planned since the last step reported failed (the requests recompute)."""
+        planned since the last step reported failed (the requests recompute). The requests
+        of this step never store again: their block tables may have missed this step's
+        new blocks, and a block stored under the wrong index would serve wrong bytes."""
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.stores_off = True
+                state.loading = False  # it runs: vLLM saw its load end
         failed = [*self._loads, *self._failed_loads]
         for request_id in failed:
             state = self._requests.get(request_id)

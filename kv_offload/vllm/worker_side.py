@@ -109,7 +109,9 @@ class OffloadWorker:
             while stragglers := [job_id for job_id, job in self._jobs.items()
                                  if job.request_id is None and not job.abandoned]:
                 if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    self._abandon(stragglers, timeout_s)
+                    self.faults.failed("engine copy", f"{len(stragglers)} store(s) not copied "
+                                       f"out of engine memory within {timeout_s} s")
+                    self._abandon(stragglers)
                     return
         self.faults.succeeded("engine copy")
 
@@ -131,6 +133,12 @@ class OffloadWorker:
                     self.faults.failed("load submit", exc)
                     self._failed_now.add(request_id)
             self._lock.notify_all()
+
+    def fail_loads(self, request_ids: Collection[str]) -> None:
+        """Report these loads failed at the next `finished_loads` without starting them
+        (a recovery path: it only records ids)."""
+        with self._lock:
+            self._failed_now.update(request_ids)
 
     def start_stores(self, stores: GroupBlocks) -> None:
         if not stores:
@@ -231,12 +239,18 @@ class OffloadWorker:
                         for g, (_, ids) in blocks.items())
         return _Job(request_id, time.monotonic(), num_blocks, num_bytes)
 
-    def _abandon(self, job_ids: list[int], timeout_s: float) -> None:
+    def abandon_stores(self) -> None:
+        """The engine goes on without waiting for the stores in flight (e.g. the wait
+        itself failed): their copies are discarded when they end, never served."""
+        with self._lock:
+            self._abandon([job_id for job_id, job in self._jobs.items()
+                           if job.request_id is None and not job.abandoned])
+
+    def _abandon(self, job_ids: list[int]) -> None:
         """Lock held: stop waiting for these stores; their copies are discarded."""
-        self.faults.failed("engine copy", f"{len(job_ids)} store(s) not copied out of engine "
-                           f"memory within {timeout_s} s; abandoned (discarded when done)")
         for job_id in job_ids:
             self._jobs[job_id].abandoned = True
+        for job_id in job_ids:
             self.store.abandon_store(job_id)
 
     def _deliver(self, results: list[TieredResult]) -> None:
