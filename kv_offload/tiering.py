@@ -50,6 +50,7 @@ from kv_offload.tiering_jobs import (
 )
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
+ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
 FILE_FORMAT_VERSION = 2  # bump when stored bytes or keys change meaning (joins the fingerprint)
 
 
@@ -108,7 +109,7 @@ class TieredStore:
 
     def take_changes(self, max_keys: int) -> KeyChanges:
         """Keys whose location changed since the last call, at most `max_keys` (O(changes))."""
-        self._absorb_changes(max_keys)
+        self._absorb_host_events()
         return self.view.take(max_keys)
 
     def usage(self) -> TierUsage:
@@ -128,25 +129,35 @@ class TieredStore:
 
     def submit_store(self, requests: GroupBlocks) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
-        skipped; when no room can be made the store is skipped (`no_room`)."""
+        skipped. When the host tier cannot make room for all of them (slots pinned by
+        loads and write-throughs in flight), the leading keys that fit are stored (the
+        start of a prefix is worth the most) and the rest are `skipped`."""
         job_id = self._new_job()
         targets: dict[OffloadKey, list[int]] = {}
         try:
             targets = targets_of(requests)
-            plan = self.manager.prepare_store(list(targets))
+            keys = list(targets)
+            plan = self.manager.prepare_store(keys)
+            if plan is None:  # store the leading keys that fit
+                keys = keys[:self.manager.num_free_slots + self.manager.num_evictable]
+                plan = self.manager.prepare_store(keys) if keys else None
+            while plan is None and len(keys) > 1:
+                keys = keys[:len(keys) // 2]
+                plan = self.manager.prepare_store(keys)
         except Exception as exc:  # e.g. a plug-in eviction policy: skip this store
             self.faults.failed("store planning", exc)
             self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
             return job_id
+        skipped = len(targets) - (len(keys) if plan is not None else 0)
         if plan is None:
             self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets),
-                                      no_room=True))
+                                      skipped=skipped))
         elif not plan.keys:
-            self._finish(TieredResult(job_id, Direction.STORE, True))
+            self._finish(TieredResult(job_id, Direction.STORE, not skipped, skipped=skipped))
         else:  # a key listed twice is stored once, from its first block
             firsts = {k: targets[k][:1] for k in plan.keys}
             try:
-                self._submit_cpu(Store(job_id, plan.keys, targets), Direction.STORE,
+                self._submit_cpu(Store(job_id, plan.keys, targets, skipped), Direction.STORE,
                                  transfers(plan.keys, plan.slots, firsts))
             except Exception as exc:  # e.g. the host tier is closing
                 self.faults.failed("store submit", exc)
@@ -194,6 +205,7 @@ class TieredStore:
                     self._guarded("storage results", lambda r=record, t=result:
                                   self._storage_done(r, t.succeeded), None, fail=record)
         self._guarded("staging", self._advance_staged, None)
+        self._guarded("storage change feed", self._absorb_storage_changes, None)
         done, self._done = self._done, []
         return done
 
@@ -363,7 +375,8 @@ class TieredStore:
         success = success and not store.abandoned
         self.manager.complete_store(list(store.keys), success)
         failed = {} if success else blocks_of({k: store.targets[k] for k in store.keys})
-        self._finish(TieredResult(store.job_id, Direction.STORE, success, failed))
+        self._finish(TieredResult(store.job_id, Direction.STORE, success and not store.skipped,
+                                  failed, skipped=store.skipped))
         if not success or self.storage is None:
             return
         todo = [k for k in store.keys
@@ -421,21 +434,23 @@ class TieredStore:
         else:
             self._write_done(record, succeeded)
 
-    def _absorb_changes(self, max_keys: int) -> None:
-        """Host events and the storage tier's change feed (bounded) into the view."""
+    def _absorb_host_events(self) -> None:
         for event in self.manager.take_events():
             (self.view.host_added if event.kind == "stored" else
              self.view.host_removed)(event.keys)
+
+    def _absorb_storage_changes(self) -> None:
+        """Take a bounded batch of the storage tier's change feed into the view (each
+        poll: a start-up inventory of a million keys streams in over a few seconds
+        without holding the caller's lock for long)."""
         if self.storage is None:
             return
-        changes = self._guarded("storage change feed",
-                                lambda: self.storage.take_changes(max_keys), None)
-        if changes is not None:
-            generation = self._generation
-            added = (offload_key(k, generation) for k in changes.added)
-            removed = (offload_key(k, generation) for k in changes.removed)
-            self.view.storage_added([k for k in added if k is not None])
-            self.view.storage_removed([k for k in removed if k is not None])
+        changes = self.storage.take_changes(ABSORB_PER_POLL)
+        generation = self._generation
+        added = (offload_key(k, generation) for k in changes.added)
+        removed = (offload_key(k, generation) for k in changes.removed)
+        self.view.storage_added([k for k in added if k is not None])
+        self.view.storage_removed([k for k in removed if k is not None])
 
     def _guarded(self, where: str, fn: Callable, default, *, fail=None):
         """Run one step of the pipeline; a fault is contained: counted, logged once per

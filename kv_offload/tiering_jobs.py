@@ -25,7 +25,7 @@ class TieredResult:
     success: bool
     failed: dict[int, list[int]] = field(default_factory=dict)
     from_storage: int = 0  # load: keys read from the storage tier (the rest came from host)
-    no_room: bool = False  # store: skipped whole, the host tier could not make room
+    skipped: int = 0  # store: keys not stored, the host tier had no room for them
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Store:
     job_id: int
     keys: tuple[OffloadKey, ...]
     targets: dict[OffloadKey, list[int]]  # key -> engine block ids
+    skipped: int = 0  # keys of the request left out for lack of host room
     abandoned: bool = False  # the engine may have overwritten the blocks mid-copy
 
 

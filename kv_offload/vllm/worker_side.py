@@ -171,11 +171,13 @@ class OffloadWorker:
                     failed.add(job.request_id)
                 self._stats.record_load(job.num_blocks, job.num_bytes, outcome.seconds,
                                         failed_blocks)
-            elif result.no_room:
-                self._stats.record_store(0, 0, 0.0, skipped_blocks=job.num_blocks)
             else:
-                self._stats.record_store(job.num_blocks, job.num_bytes, outcome.seconds,
-                                         failed_blocks)
+                # (`skipped` counts keys: the same as blocks unless a key was listed twice)
+                skipped = min(job.num_blocks, result.skipped)
+                stored = job.num_blocks - skipped
+                self._stats.record_store(stored, job.num_bytes * stored // max(1, job.num_blocks),
+                                         outcome.seconds, failed_blocks,
+                                         skipped_blocks=skipped)
         return finished, failed
 
     def report(self) -> KVOffloadWorkerMetadata:
