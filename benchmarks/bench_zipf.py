@@ -16,8 +16,9 @@ blocks (files: data plus an aligned header), the host tier `--host-fraction`.
 
 Two engines run the same rounds in child processes (in-process engine core, block size 32,
 eager, prefix caching on): with the connector (host + disk tiers) and without it. Reported:
-- served: tokens our tiers served (the connector's hit-token counter less the blocks whose
-  load failed; cross-checked with vLLM's per-request `num_cached_tokens`);
+- served: tokens our tiers served: the sum of vLLM's per-request `num_cached_tokens` (a
+  request whose load failed is recomputed whole and counts what it finally got; vLLM's own
+  cache, source 'device' in `vllm:prompt_tokens_cached_by_source`, must serve nothing);
 - ideal LRU of the disk budget and of the host budget: the same trace replayed through an
   LRU cache of that many blocks with vLLM's full-attention hit rule (zipf_trace.IdealLRU);
 - ratio served / ideal-disk (goal >= 0.8), and whether every request generated the same
@@ -90,6 +91,7 @@ def _child(spec_path: Path) -> int:
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
                             logprobs=5)
     requests, rounds = [], []
+    sources_before: dict[str, float] = {}
     for r, prompts in enumerate(spec["rounds"]):
         if r and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
@@ -104,13 +106,24 @@ def _child(spec_path: Path) -> int:
                 "token_ids": list(out.outputs[0].token_ids),
                 "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                              for step in (out.outputs[0].logprobs or [])]})
+        by_source = _cached_by_source(llm)
         rounds.append({"seconds": seconds, **{k: seen.get(k, 0) - before.get(k, 0)
                                               for k in COUNTERS},
-                       **{k: seen[k] for k in GAUGES if k in seen}})
+                       **{k: seen[k] for k in GAUGES if k in seen},
+                       "vllm_cached_by_source": {k: v - sources_before.get(k, 0)
+                                                 for k, v in by_source.items()
+                                                 if v - sources_before.get(k, 0)}})
+        sources_before = by_source
     Path(spec["result_path"]).write_text(json.dumps({"requests": requests, "rounds": rounds,
                                                      "totals": seen}))
     del llm  # the connector's shutdown flushes pending disk writes
     return 0
+
+
+def _cached_by_source(llm: Any) -> dict[str, float]:
+    """vLLM's own count of cached prompt tokens by source ('device' = its prefix cache)."""
+    return {m.labels.get("source", "?"): m.value for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_cached_by_source" and hasattr(m, "value")}
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -176,45 +189,60 @@ def _ideal(trace: list[zipf_trace.TraceRequest], capacity_blocks: int) -> list[i
     return [cache.serve(request.prompt) for request in trace]
 
 
-def _summarise(args, trace, rounds, sizes, with_conn, without) -> dict[str, Any]:
+def _max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest |logprob difference| of a token in both top-5 lists, over the positions
+    whose context is the same (up to the first differing generated token)."""
+    worst = 0.0
+    for step, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"])):
+        worst = max([worst, *(abs(v - y[t]) for t, v in x.items() if t in y)])
+        if a["token_ids"][step] != b["token_ids"][step]:
+            break
+    return worst
+
+
+def _summarise(trace, rounds, sizes, with_conn, without) -> dict[str, Any]:
     ideal_disk = _ideal(trace, sizes["disk_blocks"])
     ideal_host = _ideal(trace, sizes["host_slots"])
-    totals = with_conn["totals"]
-    served = int(totals.get("hit_tokens", 0) - totals.get("load_failed_blocks", 0) * BLOCK_SIZE)
-    cached = sum(r["num_cached_tokens"] for r in with_conn["requests"])
-    mismatched = [t.index for t, a, b in zip(trace, with_conn["requests"], without["requests"])
-                  if a["token_ids"] != b["token_ids"]]
-    logprobs_differ = [t.index for t, a, b in zip(trace, with_conn["requests"],
-                                                  without["requests"])
-                       if a["logprobs"] != b["logprobs"]]
-    local = sum(r["num_cached_tokens"] for r in without["requests"])
+    served_by_request = [r["num_cached_tokens"] for r in with_conn["requests"]]
+    served = sum(served_by_request)
+    pairs = list(zip(trace, with_conn["requests"], without["requests"]))
+    mismatched = [t.index for t, a, b in pairs if a["token_ids"] != b["token_ids"]]
+    logprob_diff = max(_max_logprob_diff(a, b) for _, a, b in pairs)
+
+    def device_tokens(run: dict[str, Any]) -> float:
+        return sum(r["vllm_cached_by_source"].get("device", 0) for r in run["rounds"])
+
+    local = {"with_connector": device_tokens(with_conn), "without": device_tokens(without),
+             "without_num_cached_tokens": sum(r["num_cached_tokens"]
+                                              for r in without["requests"])}
     per_round = []
     for stats, reqs in zip(with_conn["rounds"], rounds):
         idx = [t.index for t in reqs]
         per_round.append({**stats, "requests": len(reqs),
                           "ideal_disk_tokens": sum(ideal_disk[i] for i in idx),
                           "ideal_host_tokens": sum(ideal_host[i] for i in idx),
-                          "num_cached_tokens": sum(with_conn["requests"][i]["num_cached_tokens"]
-                                                   for i in idx)})
+                          "served_tokens": sum(served_by_request[i] for i in idx)})
+    short = [i for i, (a, b) in enumerate(zip(served_by_request, ideal_disk)) if a < b]
     ratio = served / sum(ideal_disk) if sum(ideal_disk) else None
     problems = []
     if mismatched:
         problems.append(f"{len(mismatched)} request(s) generated other tokens than without "
                         f"the connector: {mismatched[:10]}")
-    if local:
-        problems.append(f"the engine without the connector had {local} cached tokens: vLLM's "
-                        f"own cache served something inside a round")
+    if any(local.values()):
+        problems.append(f"vLLM's own prefix cache served tokens inside a round: {local}")
     if ratio is None or ratio < GOAL:
         problems.append(f"served / ideal-disk = {ratio} < goal {GOAL}")
     return {
-        "served_tokens": served, "sum_num_cached_tokens": cached,
-        "ideal_disk_tokens": sum(ideal_disk), "ideal_host_tokens": sum(ideal_host),
-        "prompt_tokens": sum(len(t.prompt) for t in trace),
+        "served_tokens": served, "ideal_disk_tokens": sum(ideal_disk),
+        "ideal_host_tokens": sum(ideal_host), "prompt_tokens": sum(len(t.prompt) for t in trace),
         "ratio_to_ideal_disk": ratio, "goal": GOAL,
         "ratio_ideal_host_to_ideal_disk": sum(ideal_host) / max(1, sum(ideal_disk)),
         "same_tokens": not mismatched, "mismatched_requests": mismatched,
-        "same_logprobs": not logprobs_differ, "logprobs_differ_requests": logprobs_differ,
-        "connector_totals": totals, "per_round": per_round,
+        "max_logprob_diff": logprob_diff, "vllm_local_cache_tokens": local,
+        "requests_short_of_ideal_disk": len(short),
+        "tokens_short_of_ideal_disk": sum(ideal_disk[i] - served_by_request[i] for i in short),
+        "connector_totals": with_conn["totals"], "per_round": per_round,
+        "served_by_request": served_by_request, "ideal_disk_by_request": ideal_disk,
         "seconds": {"with_connector": with_conn["wall_s"], "without": without["wall_s"]},
         "problems": problems, "valid": not problems,
     }
@@ -244,13 +272,15 @@ def _print_table(s: dict[str, Any], sizes: dict[str, Any], args) -> None:
     for row in [header, tuple("-" * w for w in widths), *body]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     t = s["connector_totals"]
-    print(f"\nfrom host {int(t.get('hit_tokens_host', 0))} / disk "
-          f"{int(t.get('hit_tokens_disk', 0))} tokens (planned); failed load blocks "
-          f"{int(t.get('load_failed_blocks', 0))}; stores skipped for lack of host room "
-          f"{int(t.get('store_skipped_blocks', 0))} blocks; sum of num_cached_tokens "
-          f"{s['sum_num_cached_tokens']}; same greedy tokens as without the connector: "
-          f"{'yes' if s['same_tokens'] else 'NO'} (top-5 logprobs: "
-          f"{'same' if s['same_logprobs'] else 'differ'}); engines "
+    print(f"\nconnector: hits planned from host {int(t.get('hit_tokens_host', 0))} / disk "
+          f"{int(t.get('hit_tokens_disk', 0))} tokens; loads failed "
+          f"{int(t.get('load_failed_jobs', 0))} ({int(t.get('load_failed_blocks', 0))} blocks, "
+          f"{int(t.get('storage_read_failed_keys', 0))} disk reads failed); blocks stored "
+          f"{int(t.get('store_blocks', 0))}, skipped for lack of host room "
+          f"{int(t.get('store_skipped_blocks', 0))}; requests served less than the ideal disk "
+          f"LRU {s['requests_short_of_ideal_disk']} ({s['tokens_short_of_ideal_disk']} tokens)")
+    print(f"same greedy tokens as without the connector: {'yes' if s['same_tokens'] else 'NO'} "
+          f"(largest top-5 logprob difference {s['max_logprob_diff']:.2g}); engines "
           f"{s['seconds']['with_connector']:.0f} s with, {s['seconds']['without']:.0f} s "
           f"without the connector")
     print("\nvalid run" if s["valid"] else "\nINVALID run:\n  " + "\n  ".join(s["problems"]))
@@ -294,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if args.work_dir is None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    summary = _summarise(args, trace, rounds, sizes, with_conn, without)
+    summary = _summarise(trace, rounds, sizes, with_conn, without)
     _print_table(summary, sizes, args)
     if args.json:
         args.json.write_text(json.dumps({
