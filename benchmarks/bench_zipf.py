@@ -24,7 +24,9 @@ eager, prefix caching on): with the connector (host + disk tiers) and without it
 - ratio served / ideal-disk (goal >= 0.8), and whether every request generated the same
   greedy tokens (and top-5 logprobs) as without the connector.
 Per round, the connector's own counters (loads from host/disk, failed loads, stores skipped
-for lack of host room) explain a shortfall.
+for lack of host room) explain a shortfall. Also reported: the time the engine waited before
+its forwards for the previous step's stores to be copied out of its blocks (the connector's
+`handle_preemptions`), the cost of staging large stores through a small host tier.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ MODEL_SIZES = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2}
 DTYPE = "float32"
 GOAL = 0.8
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-COUNTERS = ("hit_tokens", "hit_tokens_host", "hit_tokens_disk", "load_blocks",
+COUNTERS = ("engine_wait_s", "hit_tokens", "hit_tokens_host", "hit_tokens_disk", "load_blocks",
             "load_failed_blocks", "load_failed_jobs", "store_blocks", "store_failed_blocks",
             "store_skipped_blocks", "faults_scheduler", "faults_worker",
             "storage_read_failed_keys", "storage_write_failed_keys")
@@ -84,6 +86,17 @@ def _child(spec_path: Path) -> int:
         return stats
 
     KVOffloadConnector.get_kv_connector_stats = observe
+    waited = KVOffloadConnector.handle_preemptions
+
+    def timed_wait(self, *args):  # before each forward: the wait for last step's store copies
+        t0 = time.perf_counter()
+        try:
+            return waited(self, *args)
+        finally:
+            seen["engine_wait_s"] = seen.get("engine_wait_s", 0.0) + time.perf_counter() - t0
+            seen["engine_waits"] = seen.get("engine_waits", 0) + 1
+
+    KVOffloadConnector.handle_preemptions = timed_wait
     llm = LLM(model=spec["model"], block_size=BLOCK_SIZE, max_model_len=spec["max_model_len"],
               kv_cache_memory_bytes=64 * 1024 * 1024, enable_prefix_caching=True,
               enforce_eager=True, dtype=spec["dtype"], seed=0, max_num_seqs=spec["round"],
@@ -282,7 +295,8 @@ def _print_table(s: dict[str, Any], sizes: dict[str, Any], args) -> None:
     print(f"same greedy tokens as without the connector: {'yes' if s['same_tokens'] else 'NO'} "
           f"(largest top-5 logprob difference {s['max_logprob_diff']:.2g}); engines "
           f"{s['seconds']['with_connector']:.0f} s with, {s['seconds']['without']:.0f} s "
-          f"without the connector")
+          f"without the connector; the engine waited {t.get('engine_wait_s', 0):.2f} s in all "
+          f"for store copies ({int(t.get('engine_waits', 0))} steps)")
     print("\nvalid run" if s["valid"] else "\nINVALID run:\n  " + "\n  ".join(s["problems"]))
 
 
