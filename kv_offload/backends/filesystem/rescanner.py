@@ -21,7 +21,8 @@ from collections.abc import Callable
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.filesystem.directory import scan_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
-from kv_offload.backends.filesystem.index import KeyIndex, Pause, let_others_run
+from kv_offload.backends.filesystem.index import KeyIndex
+from kv_offload.backends.filesystem.pacing import Pause, let_others_run
 from kv_offload.backends.filesystem.root_budget import RootSurvey, fit_root, touch_heartbeat
 
 logger = logging.getLogger(__name__)
