@@ -10,7 +10,7 @@ few that changed; a feed hands over exactly the changes. The start-up inventory 
 the same feed (recorded as ``added`` by the first scan), so a caller that takes a few thousand
 keys per step learns a large directory over several steps instead of in one long pause.
 
-Cost: ``record``/``added``/``removed`` are O(keys recorded), ``take`` is O(keys handed out);
+Cost: ``added``/``removed`` are O(1), ``take`` is O(keys handed out);
 both only take the feed's own lock, never a lock the tier's I/O paths hold for long, and never
 do I/O. Memory is one entry per key changed and not yet taken (a key changed many times is one
 entry).
@@ -23,8 +23,7 @@ that never heard of it; required for one that learnt of it from its own write re
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import deque
 
 from kv_offload.backends.base import TierChanges
 from kv_offload.errors import TierRequestError
@@ -35,38 +34,39 @@ class ChangeFeed:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # key -> True (readable now) / False (not readable now). Re-recording a key keeps its
-        # place in the queue and overwrites its state: the latest state wins.
-        self._pending: OrderedDict[bytes, bool] = OrderedDict()
+        # Keys in the order of their first change not yet taken, and their latest state:
+        # True (readable now) / False (not any more). A key changed again keeps its place in
+        # the queue and gets the new state. (A deque and a plain dict rather than one ordered
+        # dict: neither stalls to re-hash a million entries while the inventory grows.)
+        self._order: deque[bytes] = deque()
+        self._state: dict[bytes, bool] = {}
 
     def __len__(self) -> int:
         """Keys whose change waits to be taken."""
-        return len(self._pending)
+        return len(self._order)
 
     def added(self, key: bytes) -> None:
-        with self._lock:
-            self._pending[key] = True
+        self._set(key, True)
 
     def removed(self, key: bytes) -> None:
-        with self._lock:
-            self._pending[key] = False
+        self._set(key, False)
 
-    def record(self, added: Iterable[bytes] = (), removed: Iterable[bytes] = ()) -> None:
-        """Record several changes under one lock hold (additions first, then removals)."""
+    def _set(self, key: bytes, readable: bool) -> None:
         with self._lock:
-            pending = self._pending
-            for key in added:
-                pending[key] = True
-            for key in removed:
-                pending[key] = False
+            if key not in self._state:
+                self._order.append(key)
+            self._state[key] = readable
 
     def take(self, max_keys: int) -> TierChanges:
         """The oldest pending changes, at most ``max_keys`` keys; they are gone from the feed."""
         if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys <= 0:
             raise TierRequestError(f"take_changes(max_keys={max_keys!r}): expected an int >= 1")
         with self._lock:
-            pending = self._pending
-            taken = [pending.popitem(last=False) for _ in range(min(max_keys, len(pending)))]
+            order, state = self._order, self._state
+            taken = [(key, state.pop(key)) for key in
+                     (order.popleft() for _ in range(min(max_keys, len(order))))]
+            if not order:
+                self._state = {}  # let go of the big table a start-up inventory left behind
         return TierChanges(
             added=tuple(key for key, readable in taken if readable),
             removed=tuple(key for key, readable in taken if not readable),
