@@ -11,11 +11,11 @@ Contents:
 
 Why: every model change, upgrade or library format change gets a new layout directory (the
 layout fingerprint names it). Budgeting only one's own directory lets the root grow without
-bound. So ``fs_bytes_to_use`` bounds every file under ``fs_root_dir``: a tier counts what other
-directories hold and keeps its own keys within what is left. Layout directories nobody uses
-any more are evicted (oldest files first) when the root is over budget; directories of live
-tiers are never touched: each live tier evicts its own least recent keys instead, so several
-live tiers share the budget.
+bound. So ``fs_bytes_to_use`` bounds every file under ``fs_root_dir``. Layout directories
+nobody uses any more are evicted (oldest files first) when the root is over budget; what a
+tier may not evict (directories of live tiers, files that are not ours) comes off its share,
+and it evicts its own least recent keys to stay within it, so several live tiers share the
+budget. Directories of live tiers are never touched.
 
 Liveness: every tier touches ``HEARTBEAT_NAME`` in its layout directory at each rescan (and at
 least every quarter of ``heartbeat_timeout_s``). A directory is live while its heartbeat, or
@@ -66,6 +66,11 @@ class RootSurvey:
     @property
     def foreign_bytes(self) -> int:
         return self.other_bytes + sum(d.bytes for d in self.layout_dirs)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes no tier may evict: live layout directories and everything else."""
+        return self.other_bytes + sum(d.bytes for d in self.layout_dirs if d.live)
 
     @property
     def stale_bytes(self) -> int:
@@ -216,8 +221,12 @@ def fit_root(
     root: str, layout_dir: str, budget: int, own_bytes: int, live_window_s: float
 ) -> RootFit:
     """Touch this tier's heartbeat, survey the root, evict stale layout directories (oldest
-    files first) while the root is over ``budget``, and return what is left for this tier's
-    own keys (``budget`` minus everything else under the root, at least 0)."""
+    files first) while the root is over ``budget``, and return this tier's share: ``budget``
+    minus what it may not evict (live directories, other files), at least 0.
+
+    Stale bytes are not taken off the share: they are the first to go, and a share without
+    them would leave a tier stuck below a dead directory's size for good. Between rescans the
+    root may therefore exceed the budget by what this tier wrote since its last rescan."""
     now = touch_heartbeat(layout_dir)
     survey = survey_root(root, layout_dir, now, live_window_s)
     evicted = StaleEviction()
@@ -227,7 +236,7 @@ def fit_root(
             [d for d in survey.layout_dirs if not d.live], over, now, live_window_s
         )
         survey = survey_root(root, layout_dir, now, live_window_s)
-    return RootFit(survey, evicted, max(0, budget - survey.foreign_bytes))
+    return RootFit(survey, evicted, max(0, budget - survey.kept_bytes))
 
 
 def warn_if_larger_than_the_filesystem(path: str, budget: int) -> None:
