@@ -30,9 +30,10 @@ def make_tier(root, budget: int = 1 << 30) -> FilesystemTier:
 
 
 def store(tier: FilesystemTier, *indices: int) -> list[bytes]:
-    chunks = [chunk(i, SIZE) for i in indices]
-    assert write(tier, [k for k, _ in chunks], [d for _, d in chunks]).ok
-    return [k for k, _ in chunks]
+    """Write the chunks one job after another (so they land, and age, in this order)."""
+    for i in indices:
+        assert write(tier, [chunk(i, SIZE)[0]], [chunk(i, SIZE)[1]]).ok
+    return [chunk(i, SIZE)[0] for i in indices]
 
 
 def drain(tier: FilesystemTier, max_keys: int = 1000) -> TierChanges:
@@ -80,7 +81,7 @@ def test_evictions_show_up_as_removed(tmp_path):
 
 def test_a_key_added_and_evicted_before_a_take_is_reported_once_as_removed(tmp_path):
     tier = make_tier(tmp_path, budget=2 * FILE)
-    keys = [k for i in range(4) for k in store(tier, i)]
+    keys = store(tier, 0, 1, 2, 3)
     changes = drain(tier)
     assert sorted(changes.added) == sorted(keys[2:])
     assert sorted(changes.removed) == sorted(keys[:2])
