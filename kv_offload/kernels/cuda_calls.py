@@ -124,6 +124,10 @@ def dma_calls(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan) -> Memcpy2D
     """One 2D copy per (run, ref) of `plan` between segment views `src` and `dst`."""
     s0, s_row, s_ref, refs, nbytes = _geometry(src)
     d0, d_row, d_ref, _, _ = _geometry(dst)
+    # A view of one row (one block) may fuse refs into a row wider than its stride; CUDA
+    # checks `width <= pitch` even for one row, and any pitch moves one row right.
+    s_row = max(s_row, nbytes) if src.shape[0] == 1 else s_row
+    d_row = max(d_row, nbytes) if dst.shape[0] == 1 else d_row
     runs = plan.runs
     ref = np.arange(refs, dtype=np.int64)
     src_addr = (s0 + runs[:, 0:1] * s_row + ref * s_ref).reshape(-1)

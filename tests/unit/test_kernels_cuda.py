@@ -231,3 +231,18 @@ def test_backend_on_gpu_pins_and_round_trips():
         expected = reference_load(cpu_canonical, logical_pool(backend), loads, cpu_buffer)
         assert backend.wait([backend.submit_load(loads, ready=backend.engine_ready())])[0].success
         assert torch.equal(gpu_buffer.cpu(), expected)
+
+
+@needs_compiler
+@pytest.mark.parametrize("path", PATHS)
+def test_a_single_block_cache_whose_layers_fuse_into_one_wide_row(path):
+    """One block, two 2-byte layer pages back to back: the segment is one 4-byte row
+    whose row stride is 2. CUDA refuses a 2D copy with width > pitch even for one
+    row (found by the property test); the copier must not issue one."""
+    spec = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype=torch.int8)
+    groups = [KVCacheGroup(["a", "b"], spec)]
+    buffer, caches = allocate_kv_caches(groups, 1, "LBHNC")
+    canonical = canonicalize(caches, groups, 1)
+    copier, _ = host_copier(canonical, [buffer], 1)
+    assert copier.segments[0][0].engine.stride(0) < copier.segments[0][0].block_bytes
+    check_round_trip(copier, canonical, buffer, {0: ([0], [0])}, {0: ([0], [0])}, path)

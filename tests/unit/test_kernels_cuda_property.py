@@ -117,7 +117,7 @@ def run_path(groups, layout, num_blocks, num_slots, stores, loads, path):
 
 
 @pytest.mark.skipif(compiler() is None, reason="needs a C++ compiler to build the copy kernel")
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_cpu_dma_batch_and_kernel_paths_leave_identical_bytes(data):
     groups, layout = data.draw(models())
