@@ -99,11 +99,21 @@ class Memcpy2DCalls:
     def num_bytes(self) -> int:
         return int(self.height.sum()) * self.width
 
+    @property
+    def dense(self) -> bool:
+        """Whether each call's rows are contiguous on both sides."""
+        return self.dpitch == self.width and self.spitch == self.width
+
+    @property
+    def copy_count(self) -> int:
+        """How many 1-D copies `copies` holds (without building them)."""
+        return self.count if self.dense else int(self.height.sum())
+
     @cached_property
     def copies(self) -> Copies:
         """Every row as a 1-D copy; a call whose rows are contiguous on both sides
         is one copy."""
-        if self.dpitch == self.width and self.spitch == self.width:
+        if self.dense:
             return Copies(self.src, self.dst, self.height * self.width)
         rows = int(self.height.sum())
         first = np.repeat(np.cumsum(self.height) - self.height, self.height)
@@ -152,7 +162,7 @@ def choose_path(calls: Memcpy2DCalls, *, batch_available: bool, max_pitch: int,
         if path is Path.BATCH and not batch_available:
             raise TransferError("the batched memcpy (cudaMemcpyBatchAsync) is not available")
         return path
-    pieces = calls.copies.count
+    pieces = calls.copy_count
     if pieces == 0:
         return Path.DMA if pitch_ok else Path.KERNEL
     if pieces > DMA_MAX_CALLS and calls.num_bytes < pieces * KERNEL_PIECE_BYTES:
