@@ -105,7 +105,7 @@ def measure(name: str, layout: str, blocks: int, repeats: int) -> list[dict]:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                job = copier._cuda.submit(plan, EngineReady(None), path)
+                job = copier.submit(plan, EngineReady(None), path)
                 times.append(time.perf_counter() - start)
                 assert job.done() and job.error is None, job.error
             counts = {k: v // repeats for k, v in runtime.counts.items()}

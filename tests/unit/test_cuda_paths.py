@@ -148,3 +148,16 @@ def test_our_batch_call_is_accepted_by_the_real_binding():
     made = batch._attributes(MemcpyAttributes(device=0))
     assert int(made.srcAccessOrder) == 1 and int(made.flags) == 1
     assert int(made.srcLocHint.type) == 1 and int(made.dstLocHint.type) == 2
+
+
+def test_the_submit_benchmark_counts_the_calls_each_path_issues():
+    import sys
+    from pathlib import Path as FilePath
+
+    sys.path.insert(0, str(FilePath(__file__).parents[2] / "benchmarks"))
+    from bench_cuda_submit import measure
+
+    rows = {(r["pattern"], r["path"]): r["calls"] for r in measure("llama-8b", "BLNHC", 8, 1)}
+    assert rows[("runs", "dma")]["memcpy2d"] == 1  # 8 consecutive blocks: one 2D call
+    assert rows[("scattered", "batch")]["batch"] == 1
+    assert rows[("scattered", "kernel")]["launch"] == 1
