@@ -27,7 +27,6 @@ import threading
 import numpy as np
 import torch
 
-from kv_offload.errors import TransferError
 from kv_offload.kernels.cuda_calls import (
     KERNEL_CHUNK_BYTES,
     Copies,
@@ -249,10 +248,3 @@ class CudaCopier:
         self._runtime.launch(self._kernel, min(count, MAX_GRID), THREADS,
                              (np.uint64(buffer.data_ptr()), np.int64(count)), stream)
 
-
-def check_engine_ready(ready: object) -> EngineReady | None:
-    """`ready` as an EngineReady (or None); anything else is a caller's mistake."""
-    if ready is None or isinstance(ready, EngineReady):
-        return ready
-    raise TransferError(f"ready must be an EngineReady (from engine_ready()), got "
-                        f"{type(ready).__name__}")

@@ -21,7 +21,7 @@ import torch
 from host_cuda import HostCudaRuntime
 from host_kernel import compiler
 from test_cpu_backend import logical_pool
-from test_kernels import randomize, reference_load, reference_store
+from test_kernels import randomize, reference_load, reference_store, small_hybrid
 
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
 from kv_offload.backends.cpu import CpuBackend
@@ -113,18 +113,11 @@ def test_example_models_move_byte_exact_through_the_gpu_path(name, layout, path)
     assert runtime.count("synchronize") == 2 and runtime.sticky_error is None
 
 
-def small_hybrid(layout: str, num_blocks: int):
-    """Attention + padded Mamba groups whose pages are not multiples of 16 bytes."""
-    from test_kernels import small_hybrid as build
-
-    return build(layout, num_blocks)
-
-
 @needs_compiler
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
 def test_unaligned_pieces_and_an_unaligned_pool(path, layout):
-    caches, groups, buffer = small_hybrid(layout, 12)  # 3 groups
+    caches, groups, buffer = small_hybrid(layout, 12)  # 3 groups, pages not 16-byte multiples
     canonical = canonicalize(caches, groups, 12)
     assert any(r.page_size_bytes % 16 for refs in canonical.group_refs for r in refs)
     copier, _ = host_copier(canonical, [buffer], 11, pool_shift=3)
