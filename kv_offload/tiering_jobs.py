@@ -44,7 +44,7 @@ class Store:
     job_id: int
     keys: tuple[OffloadKey, ...]
     targets: dict[OffloadKey, list[int]]  # key -> engine block ids
-    skipped: int = 0  # keys of the request left out for lack of host room
+    skipped: dict[OffloadKey, list[int]] = field(default_factory=dict)  # no host room for them
     abandoned: bool = False  # the engine may have overwritten the blocks mid-copy
 
 

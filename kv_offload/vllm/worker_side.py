@@ -176,7 +176,7 @@ class OffloadWorker:
                 skipped = min(job.num_blocks, result.skipped)
                 stored = job.num_blocks - skipped
                 self._stats.record_store(stored, job.num_bytes * stored // max(1, job.num_blocks),
-                                         outcome.seconds, failed_blocks,
+                                         outcome.seconds, max(0, failed_blocks - skipped),
                                          skipped_blocks=skipped)
         return finished, failed
 

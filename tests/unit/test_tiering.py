@@ -136,14 +136,15 @@ def test_corrupt_file_fails_only_its_blocks(tmp_path):
     second.close()
 
 
-def test_absent_keys_fail_and_full_pool_skips_the_store():
+def test_absent_keys_fail_and_a_full_pool_skips_what_does_not_fit():
     _, canonical = hybrid()
     store = make_store(canonical, None, slots=2)
     [loaded] = store.wait([store.submit_load({1: ([h(9)], [3])})])
     assert loaded.failed == {1: [3]}
     [stored] = store.wait([store.submit_store({0: ([h(1), h(2), h(3)], [1, 2, 3])})])
-    assert not stored.success and stored.failed == {0: [1, 2, 3]}
-    assert store.lookup([(h(1), 0)]) == [Location.ABSENT]
+    assert not stored.success and stored.failed == {0: [3]} and stored.skipped == 1
+    assert store.lookup([(h(1), 0), (h(2), 0), (h(3), 0)]) == \
+        [Location.HOST, Location.HOST, Location.ABSENT]
     store.close()
 
 
