@@ -6,6 +6,9 @@ found only in the storage tier is read into a host slot, then copied into the en
 a host hit. A load larger than the host tier is staged: its storage keys are read in
 batches of at most `staging_slots`, each batch copied into the engine and released before
 the next, so the storage tier's capacity, not the host tier's, bounds what can be served.
+A store larger than the host room is staged the same way (`tiering_stores`): copied a piece
+at a time as write-throughs of earlier pieces free host slots, so it reaches the storage
+tier whole.
 
 Every job ends with exactly one `TieredResult` that names the engine blocks whose bytes
 did not arrive; the engine recomputes those and nothing else is affected. Exactly once,
@@ -35,20 +38,20 @@ from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
-from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key, storage_key
+from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
 from kv_offload.manager import OffloadManager
 from kv_offload.tiering_jobs import (
     Load,
     Read,
     Store,
+    StorePiece,
     TieredResult,
     TierUsage,
     WriteThrough,
-    blocks_of,
     targets_of,
-    transfers,
 )
 from kv_offload.tiering_loads import LoadPipeline
+from kv_offload.tiering_stores import StorePipeline
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
 ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
@@ -65,24 +68,27 @@ def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
         repr((FILE_FORMAT_VERSION, canonical.layout_signature(), layers, extra)).encode())
 
 
-class TieredStore(LoadPipeline):
+class TieredStore(LoadPipeline, StorePipeline):
     """Host slots (with their manager) in front of an optional `StorageTier`."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
                  storage: StorageTier | None = None, eviction_policy: str = "lru",
                  pin: bool | None = None, read_timeout_s: float = 30.0,
-                 staging_slots: int | None = None) -> None:
+                 staging_slots: int | None = None, store_stage_timeout_s: float = 5.0) -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
         self.read_timeout_s = read_timeout_s
+        self.store_stage_timeout_s = store_stage_timeout_s
         self.staging_slots = staging_slots or max(1, self.cpu.num_slots // 4)
         self.faults = FaultLog("kv-offload tiers")
         self.view = KeyView()
         self._generation = FIRST_GENERATION
         self._ids = itertools.count(1)
         self._open: set[int] = set()  # jobs whose result is not delivered yet
-        self._cpu_jobs: dict[int, Store | Load | tuple[Load, list[OffloadKey]]] = {}
+        self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
+        self._stores: dict[int, Store] = {}  # stores whose result is not delivered yet
+        self._staged_stores: dict[int, Store] = {}  # stores waiting for host room
         self._storage_jobs: dict[int, Read | WriteThrough] = {}
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
@@ -130,40 +136,21 @@ class TieredStore(LoadPipeline):
 
     def submit_store(self, requests: GroupBlocks) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
-        skipped. When the host tier cannot make room for all of them (slots pinned by
-        loads and write-throughs in flight), the leading keys that fit are stored (the
-        start of a prefix is worth the most) and the rest are `skipped`."""
-        job_id = self._new_job()
-        targets: dict[OffloadKey, list[int]] = {}
+        skipped. A store larger than the host room is staged (`tiering_stores`): the job
+        ends once every key is in a slot; keys that cannot get room are `skipped`."""
+        store = Store(self._new_job(), {}, time.monotonic())
+        self._stores[store.job_id] = store
         try:
-            targets = targets_of(requests)
-            keys = list(targets)
-            plan = self.manager.prepare_store(keys)
-            if plan is None:  # store the leading keys that fit
-                keys = keys[:self.manager.num_free_slots + self.manager.num_evictable]
-                plan = self.manager.prepare_store(keys) if keys else None
-            while plan is None and len(keys) > 1:
-                keys = keys[:len(keys) // 2]
-                plan = self.manager.prepare_store(keys)
-        except Exception as exc:  # e.g. a plug-in eviction policy: skip this store
+            store.targets = targets_of(requests)
+            store.waiting = list(store.targets)
+            self._stage_store(store)
+        except Exception as exc:  # e.g. a plug-in eviction policy: skip the rest
             self.faults.failed("store planning", exc)
-            self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
-            return job_id
-        kept = set(keys) if plan is not None else set()
-        skipped = {k: blocks for k, blocks in targets.items() if k not in kept}
-        if plan is None or not plan.keys:
-            self._finish(TieredResult(job_id, Direction.STORE, not skipped,
-                                      blocks_of(skipped), skipped=len(skipped)))
-        else:  # a key listed twice is stored once, from its first block
-            firsts = {k: targets[k][:1] for k in plan.keys}
-            try:
-                self._submit_cpu(Store(job_id, plan.keys, targets, skipped), Direction.STORE,
-                                 transfers(plan.keys, plan.slots, firsts))
-            except Exception as exc:  # e.g. the host tier is closing
-                self.faults.failed("store submit", exc)
-                self.manager.complete_store(list(plan.keys), False)
-                self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
-        return job_id
+            store.failed += store.waiting
+            store.waiting = []
+            self._staged_stores.pop(store.job_id, None)
+        self._finish_store_if_done(store)
+        return store.job_id
 
     def submit_load(self, requests: GroupBlocks) -> int:
         """Fill engine blocks from host slots, reading storage-only keys into slots first."""
@@ -186,10 +173,11 @@ class TieredStore(LoadPipeline):
 
     def abandon_store(self, job_id: int) -> None:
         """The engine may overwrite this store's blocks before its copy ends: whatever it
-        copies is discarded (a failed store), so no torn block is ever served."""
-        for record in self._cpu_jobs.values():
-            if isinstance(record, Store) and record.job_id == job_id:
-                record.abandoned = True
+        copies is discarded (failed), and no further piece is copied, so no torn block is
+        ever served."""
+        store = self._stores.get(job_id)
+        if store is not None:
+            self._abandon(store)
 
     def poll(self) -> list[TieredResult]:
         """Advance every job; return the results finished since the last call. Never raises."""
@@ -205,6 +193,7 @@ class TieredStore(LoadPipeline):
                     self._guarded("storage results", lambda r=record, t=result:
                                   self._storage_done(r, t.succeeded), None, fail=record)
         self._guarded("staging", self._advance_staged, None)
+        self._guarded("store staging", self._advance_staged_stores, None)
         self._guarded("storage change feed", self._absorb_storage_changes, None)
         done, self._done = self._done, []
         return done
@@ -230,7 +219,7 @@ class TieredStore(LoadPipeline):
         """Wait until every job, write-throughs included, has finished (e.g. before
         shutdown); their results stay queued for `poll`. False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._storage_jobs or self._cpu_jobs or self._staged:
+        while self._storage_jobs or self._cpu_jobs or self._staged or self._staged_stores:
             finished = self.poll()  # (poll swaps self._done: read it only afterwards)
             self._done.extend(finished)
             if time.monotonic() > deadline:
@@ -252,44 +241,6 @@ class TieredStore(LoadPipeline):
         if self.storage is not None:
             self.storage.close()
 
-    # --- internals: stores ---
-
-    def _store_copied(self, store: Store, success: bool) -> None:
-        success = success and not store.abandoned
-        self.manager.complete_store(list(store.keys), success)
-        failed = dict(store.skipped) if success else \
-            {**store.skipped, **{k: store.targets[k] for k in store.keys}}
-        self._finish(TieredResult(store.job_id, Direction.STORE, not failed, blocks_of(failed),
-                                  skipped=len(store.skipped)))
-        if not success or self.storage is None:
-            return
-        todo = [k for k in store.keys
-                if not self.view.in_storage(k) and self.manager.is_ready(k)]
-        if not todo:
-            return
-        slots = self.manager.prepare_load(todo)  # pinned until their bytes are written
-        write = WriteThrough(tuple(todo), self._generation)
-        try:
-            buffers = [self.cpu.slot_buffer(s, k[1]) for k, s in zip(todo, slots)]
-            job = self.storage.submit_write(
-                [storage_key(k, self._generation) for k in todo], buffers)
-        except Exception as exc:
-            self.faults.failed("storage write", exc)
-            self.manager.complete_load(todo)
-            return
-        self._storage_jobs[job] = write
-
-    def _write_done(self, write: WriteThrough, succeeded: Sequence[bool]) -> None:
-        self.manager.complete_load(list(write.keys))
-        if write.generation == self._generation:
-            self.view.storage_added([k for k, ok in zip(write.keys, succeeded) if ok])
-        self._key_failures["write"] += list(succeeded).count(False)
-        if all(succeeded):
-            self.faults.succeeded("storage write")
-        else:
-            failed = list(succeeded).count(False)
-            self.faults.failed("storage write", f"{failed} key(s) not written")
-
     # --- internals: plumbing ---
 
     def _new_job(self) -> int:
@@ -307,8 +258,8 @@ class TieredStore(LoadPipeline):
         self._cpu_jobs[self.cpu.submit(direction, moves)] = record
 
     def _host_copied(self, record, success: bool) -> None:
-        if isinstance(record, Store):
-            self._store_copied(record, success)
+        if isinstance(record, StorePiece):
+            self._piece_copied(record, success)
         else:
             self._load_copied(*record, success)
 
@@ -350,9 +301,8 @@ class TieredStore(LoadPipeline):
         return value
 
     def _fail_record(self, record) -> None:
-        if isinstance(record, Store):
-            self._finish(TieredResult(record.job_id, Direction.STORE, False,
-                                      blocks_of(record.targets)))
+        if isinstance(record, StorePiece):
+            self._fail_store(record.store)
         elif isinstance(record, Read | tuple):
             load = record.load if isinstance(record, Read) else record[0]
             self._fail_load(load)

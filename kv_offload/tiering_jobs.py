@@ -39,13 +39,25 @@ class TierUsage:
 
 @dataclass
 class Store:
-    """A store whose engine blocks are being copied into host slots."""
+    """A store: its engine blocks are copied into host slots a piece at a time, as host
+    room allows (`waiting` first); each piece is written through once copied."""
 
     job_id: int
-    keys: tuple[OffloadKey, ...]
     targets: dict[OffloadKey, list[int]]  # key -> engine block ids
-    skipped: dict[OffloadKey, list[int]] = field(default_factory=dict)  # no host room for them
+    started: float
+    waiting: list[OffloadKey] = field(default_factory=list)  # keys not copied yet
+    pending: int = 0  # pieces being copied
+    failed: list[OffloadKey] = field(default_factory=list)  # copies that failed
+    skipped: list[OffloadKey] = field(default_factory=list)  # no host room for them
     abandoned: bool = False  # the engine may have overwritten the blocks mid-copy
+
+
+@dataclass
+class StorePiece:
+    """Keys of a store being copied into host slots."""
+
+    store: Store
+    keys: tuple[OffloadKey, ...]
 
 
 @dataclass
