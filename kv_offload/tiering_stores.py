@@ -13,8 +13,8 @@ The store's result is delivered when every piece is copied out of engine memory 
 engine waits for that before its next forward, see the worker's `wait_for_engine_copies`):
 staging may make that wait as long as the storage tier takes to write the earlier pieces.
 Keys are `skipped` (listed in `failed`, counted in `skipped`) only where waiting cannot
-help: no storage tier (room is freed only by copies that end), nothing in flight that
-will free a slot, or `store_stage_timeout_s` passed. An abandoned store (the engine
+help: no storage tier (every key would evict the store's own earlier pieces), nothing in
+flight that will free a slot, or `store_stage_timeout_s` passed. An abandoned store (the engine
 stopped waiting) copies no further piece and discards the ones in flight.
 
 This is a mixin of `TieredStore` (it uses the store's manager, host tier, storage tier, view,
@@ -63,9 +63,11 @@ class StorePipeline:
                 self.manager.complete_store(list(plan.keys), False)
                 raise
             store.pending += 1
-        # Waiting helps only while something in flight will free slots: this store's own
-        # pieces and every write-through release theirs once the storage tier has them.
-        can_wait = self.storage is not None and bool(store.pending or self._storage_jobs) \
+        # Waiting helps only while something in flight will free slots: host copies (this
+        # store's pieces, loads into the engine) and storage jobs (write-throughs, reads)
+        # release theirs when they end.
+        in_flight = bool(store.pending or self._cpu_jobs or self._storage_jobs)
+        can_wait = self.storage is not None and in_flight \
             and time.monotonic() - store.started < self.store_stage_timeout_s
         if store.waiting and not store.abandoned and can_wait:
             self._staged_stores[store.job_id] = store
