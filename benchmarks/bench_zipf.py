@@ -363,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
     p.add_argument("--disk-fraction", type=float, default=0.5,
                    help="disk budget as a fraction of the documents' blocks (default 0.5)")
-    p.add_argument("--host-fraction", type=float, default=1 / 12,
-                   help="host tier as a fraction of the documents' blocks (default 1/12)")
+    p.add_argument("--host-fraction", type=float, default=1 / 40,
+                   help="host tier as a fraction of the documents' blocks (default 1/40: "
+                        "smaller than the blocks of one round in flight)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", type=Path, help="model to reuse or build "
                    "(default ~/.cache/kv-offload/bench-zipf-model-float32)")
