@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kv_offload.backends.base import TierStats
+from kv_offload.backends.options import option
 from kv_offload.errors import ConfigError
 
 
@@ -14,18 +15,21 @@ class FilesystemTierConfig:
     """Settings of a filesystem tier.
 
     ``root_dir`` and ``bytes_to_use`` are ``fs_root_dir`` and ``fs_bytes_to_use`` of the
-    connector config. ``layout_fingerprint`` names the page layout of the model: files written
+    connector config, or options of ``storage_tier: "filesystem"`` (every field but the
+    fingerprint is one). ``layout_fingerprint`` names the page layout of the model: files written
     under another fingerprint are never served.
     """
 
-    root_dir: str
-    layout_fingerprint: str
-    bytes_to_use: int
-    io_threads: int = 8
-    direct_io: bool = True  # use O_DIRECT where the filesystem supports it
-    fsync: bool = False  # fsync file and directory on every write (survive power loss)
-    rescan_interval_s: float = 5.0  # 0: never rescan (no other process shares the directory)
-    stale_temp_s: float = 600.0  # sweep another host's temporary files older than this
+    root_dir: str = option("str", doc="the directory of the tier")
+    layout_fingerprint: str  # given by the connector, not an option
+    bytes_to_use: int = option("size", doc="the disk budget, LRU-evicted")
+    io_threads: int = option("count", 8, "I/O threads")
+    direct_io: bool = option("bool", True, "use O_DIRECT where the filesystem supports it")
+    fsync: bool = option("bool", False, "fsync file and directory on every write")
+    rescan_interval_s: float = option("seconds", 5.0, "seconds between scans for other "
+                                                      "processes' files (0: never)")
+    stale_temp_s: float = option("seconds", 600.0, "sweep another host's temporary files "
+                                                   "older than this")
 
     def __post_init__(self) -> None:
         if isinstance(self.root_dir, os.PathLike):

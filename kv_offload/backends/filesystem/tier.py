@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -54,6 +55,7 @@ from kv_offload.backends.filesystem.io_engine import (
     read_head,
     unlink_quietly,
 )
+from kv_offload.backends.options import parse_options
 from kv_offload.errors import TierClosedError
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,17 @@ class FilesystemTier(StorageTier):
                 target=self._rescan_loop, name="kv-fs-rescan", daemon=True
             )
             self._rescanner.start()
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        parse_options(FilesystemTierConfig, options, tier="filesystem", layout_fingerprint="check")
+
+    @classmethod
+    def from_options(cls, options, layout_fingerprint: str) -> FilesystemTier:
+        config = parse_options(FilesystemTierConfig, options, tier="filesystem",
+                               layout_fingerprint=layout_fingerprint)
+        root = os.path.abspath(os.path.expanduser(config.root_dir))
+        return cls(dataclasses.replace(config, root_dir=root))
 
     # -- the StorageTier interface -------------------------------------------------------
 
