@@ -17,8 +17,9 @@ so any changed header byte (padding included) is caught too.
 Records of one layout are kept together under ``layout_namespace(fingerprint)`` (a directory
 name, a key prefix): a listing never even sees another layout's records.
 
-Contents: ``build_header``, ``parse_header``, ``check_header``, ``data_offset``, ``checksum``,
-``layout_namespace``, ``RecordFormatError``, ``HeaderInfo``.
+Contents: ``pack`` and ``unpack_into`` (a whole record, for stores that hold values in one
+piece), ``build_header``, ``parse_header``, ``check_header``, ``data_offset``, ``checksum``,
+``layout_namespace``, ``RecordFormatError``, ``HeaderInfo``, ``Unpacked``.
 """
 
 from __future__ import annotations
@@ -143,3 +144,48 @@ def check_header(head: bytes | memoryview, key: bytes, fingerprint: str, data_le
     if info.data_len != data_len:
         raise RecordFormatError(f"header says {info.data_len} data bytes, expected {data_len}")
     return info.checksum
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """What ``unpack_into`` made of a stored record.
+
+    ``ok``: the data is in the buffer. Otherwise nothing may be served, and either ``bad``
+    says why the record is not ours to serve (corrupt, foreign layout, other key: delete it),
+    or ``held_bytes`` says the record is intact but holds another size than the buffer (the
+    caller's mistake: keep it).
+    """
+
+    ok: bool = False
+    bad: str | None = None
+    held_bytes: int | None = None
+
+
+def pack(key: bytes, fingerprint: str, data: memoryview, *, align: int) -> bytes:
+    """A whole record: header then data (one copy of the data, into the returned bytes)."""
+    header = build_header(key, fingerprint, len(data), checksum(data), align=align)
+    return b"".join((header, data))
+
+
+def unpack_into(record: bytes | memoryview, key: bytes, fingerprint: str, out: memoryview, *,
+                align: int) -> Unpacked:
+    """Check a whole record against this key, layout and ``len(out)``, and copy its data
+    into ``out`` only if the header and the checksum hold (``out`` is untouched otherwise)."""
+    n = len(out)
+    try:
+        digest = check_header(record, key, fingerprint, n, align=align)
+    except RecordFormatError as e:
+        try:
+            info = parse_header(record, align=align)
+        except RecordFormatError:
+            return Unpacked(bad=str(e))
+        intact = (info.key_hex == key.hex() and info.fingerprint == fingerprint
+                  and len(record) == info.data_offset + info.data_len)
+        return Unpacked(held_bytes=info.data_len) if intact else Unpacked(bad=str(e))
+    data = memoryview(record)[data_offset(key, fingerprint, n, align=align):]
+    if len(data) != n:
+        return Unpacked(bad=f"{len(data)} data bytes after the header, expected {n}")
+    if checksum(data) != digest:
+        return Unpacked(bad="checksum mismatch")
+    out[:] = data
+    return Unpacked(ok=True)

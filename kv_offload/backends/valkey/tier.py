@@ -46,16 +46,7 @@ from kv_offload.backends.filesystem.io_engine import host_view
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
-from kv_offload.backends.record import (
-    NETWORK_ALIGN,
-    RecordFormatError,
-    build_header,
-    check_header,
-    checksum,
-    data_offset,
-    layout_namespace,
-    parse_header,
-)
+from kv_offload.backends.record import NETWORK_ALIGN, layout_namespace, pack, unpack_into
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.view import KeyView
 
@@ -301,10 +292,7 @@ class ValkeyTier(StorageTier):
             self._book.finish(job, [i for i, _ in batch if i not in ok], False)
 
     def _encode(self, key: bytes, buf: torch.Tensor) -> bytes:
-        data = host_view(buf)
-        header = build_header(key, self.config.layout_fingerprint, len(data), checksum(data),
-                              align=NETWORK_ALIGN)
-        return b"".join((header, data))
+        return pack(key, self.config.layout_fingerprint, host_view(buf), align=NETWORK_ALIGN)
 
     def _fill(self, key: bytes, value, buf: torch.Tensor) -> bool:
         """Check one GET reply and copy its data into ``buf``; False (and why, counted) if
@@ -318,38 +306,18 @@ class ValkeyTier(StorageTier):
             self._book.note("read-refused", "%s refused a read: %s", self.config.display_url,
                             value)
             return False
-        fingerprint, n = self.config.layout_fingerprint, buf.numel()
-        try:
-            digest = check_header(value, key, fingerprint, n, align=NETWORK_ALIGN)
-        except RecordFormatError as e:
-            return self._reject(key, value, n, e)
-        offset = data_offset(key, fingerprint, n, align=NETWORK_ALIGN)
-        data = memoryview(value)[offset:]
-        if len(data) != n:
-            return self._discard(key, f"{len(data)} data bytes after the header, expected {n}")
-        if checksum(data) != digest:
-            return self._discard(key, "checksum mismatch")
-        host_view(buf)[:] = data
+        got = unpack_into(value, key, self.config.layout_fingerprint, host_view(buf),
+                          align=NETWORK_ALIGN)
+        if got.bad is not None:
+            return self._discard(key, got.bad)
+        if not got.ok:  # an intact value of another size: the caller's buffer is wrong
+            self._book.count("read_failed", "read_failed_buffer_size")
+            self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has %d; "
+                            "not served", key.hex(), got.held_bytes, buf.numel())
+            return False
         self._book.count("read_ok")
-        self._book.count("bytes_read", n=n)
+        self._book.count("bytes_read", n=buf.numel())
         return True
-
-    def _reject(self, key: bytes, value: bytes, wanted: int, error: RecordFormatError) -> bool:
-        """A header that does not match: a caller's wrong-size buffer (the value is intact
-        and kept), or a bad or foreign value (deleted)."""
-        try:
-            info = parse_header(value, align=NETWORK_ALIGN)
-        except RecordFormatError:
-            return self._discard(key, str(error))
-        intact = (info.key_hex == key.hex()
-                  and info.fingerprint == self.config.layout_fingerprint
-                  and len(value) == info.data_offset + info.data_len)
-        if not intact:
-            return self._discard(key, str(error))
-        self._book.count("read_failed", "read_failed_buffer_size")
-        self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has %d; "
-                        "not served", key.hex(), info.data_len, wanted)
-        return False
 
     def _discard(self, key: bytes, reason: str) -> bool:
         """A value that is not ours to serve: delete it (a later write replaces it), forget
