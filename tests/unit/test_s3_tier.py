@@ -18,6 +18,9 @@ from kv_offload.backends.record import NETWORK_ALIGN, data_offset  # noqa: E402
 from kv_offload.backends.s3 import S3Tier  # noqa: E402
 
 FINGERPRINT = "llama|LBHNC|page=65536|tp1|rank0"
+# Another model, same length: its header puts the data at the same offset, so only the
+# fingerprint check can tell.
+FOREIGN = "gemma|LBHNC|page=65536|tp1|rank0"
 SENTINEL = 0x5A
 
 
@@ -73,7 +76,7 @@ def test_a_corrupt_object_is_a_miss_and_is_deleted(s3_server, where):
 def test_an_object_of_another_fingerprint_is_a_miss(s3_server):
     bucket = make_bucket(s3_server.endpoint_url)
     ours = make_tier(s3_server, bucket)
-    theirs = make_tier(s3_server, bucket, fingerprint="gemma|LBHNC|page=65536")
+    theirs = make_tier(s3_server, bucket, fingerprint=FOREIGN)
     assert write(theirs, [b"k"], [random_bytes(3000, 3)]).ok
     ours.refresh()
     assert ours.lookup([b"k"]) == [False]  # another namespace: not listed

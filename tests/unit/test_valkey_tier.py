@@ -17,6 +17,9 @@ redis = pytest.importorskip("redis", reason="redis-py is not installed (pip inst
 from kv_offload.backends.valkey import ValkeyTier  # noqa: E402 (after the skip)
 
 FINGERPRINT = "llama|LBHNC|page=65536|tp1|rank0"
+# Another model, same length: its header puts the data at the same offset, so only the
+# fingerprint check can tell.
+FOREIGN = "gemma|LBHNC|page=65536|tp1|rank0"
 SENTINEL = 0x5A
 
 
@@ -77,7 +80,7 @@ def test_a_corrupted_value_is_a_miss_and_is_deleted(valkey_server, where):
 def test_a_value_written_under_another_fingerprint_is_a_miss(valkey_server):
     prefix = unique_name("shared") + ":"
     ours = make_tier(valkey_server, key_prefix=prefix)
-    theirs = make_tier(valkey_server, key_prefix=prefix, fingerprint="gemma|LBHNC|page=65536")
+    theirs = make_tier(valkey_server, key_prefix=prefix, fingerprint=FOREIGN)
     data = random_bytes(4096, 3)
     assert write(theirs, [b"k"], [data]).ok
     assert ours.lookup([b"k"]) == [False]  # another namespace: never even listed
