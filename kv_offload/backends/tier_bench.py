@@ -19,6 +19,7 @@ a network.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -36,8 +37,20 @@ LOOKUP_BATCH = 64
 LATENCY_SAMPLES = 50
 GOAL = {"backend": "valkey", "value_mib": 4, "min_gbps": 1.0}  # on loopback
 
-# make_tier(connections, workdir) -> a fresh, empty tier
+# make_tier(connections, workdir) -> a fresh tier
 TierFactory = Callable[[int, str], StorageTier]
+# raw(value_bytes, connections, values) -> (write GB/s, read GB/s) of the store alone
+RawBaseline = Callable[[int, int, int], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class BenchTier:
+    """A tier in the benchmark: how to open one, and whether to empty it after each run
+    (False for a store that evicts on its own: a cache in service is full and warm, and
+    emptying it would measure its allocator growing memory again instead)."""
+
+    make: TierFactory
+    clear_after: bool = True
 
 
 @dataclass
@@ -50,40 +63,47 @@ class Cell:
     values: int
     write_gbps: float
     read_gbps: float
-    lookup_p50_us: float
-    lookup_p99_us: float
-    read_p50_ms: float
-    read_p99_ms: float
+    lookup_p50_us: float | None  # None: a raw baseline has no lookups or jobs
+    lookup_p99_us: float | None
+    read_p50_ms: float | None
+    read_p99_ms: float | None
     mismatches: int
     failed_keys: int
     samples: dict[str, list[float]]  # per repeat (throughput) or per call (latency, seconds)
 
 
-def run_tier_bench(backend: str, factories: dict[str, TierFactory], *,
+def run_tier_bench(backend: str, tiers: dict[str, BenchTier], *,
                    value_mib: tuple[float, ...] = (1, 4, 16),
                    connections: tuple[int, ...] = (1, 4, 8), total_mib: int = 256,
                    keys_per_job: int = 4, repeats: int = 3, work_root: str | None = None,
-                   note: str = "") -> dict:
+                   note: str = "", raw: tuple[str, RawBaseline] | None = None) -> dict:
     """Run every cell ``repeats`` times for every tier (alternating tiers, each time a fresh
-    tier); keep the best throughput and pool the latency samples; print the table; return
-    the JSON result."""
+    tier) and for the ``raw`` (name, runner) baseline if given; keep the best throughput and
+    pool the latency samples; print the table; return the JSON result."""
     cells: list[Cell] = []
+    run_ids = itertools.count()  # every run writes keys of its own: nothing is skipped
     for size in value_mib:
         chunk = int(size * MIB)
         count = max(4, int(total_mib * MIB) // chunk)
         source, target = _pool(chunk * count, seed=int(size * 1000)), _pool(chunk * count)
         for conns in connections:
-            runs: dict[str, list[Cell]] = {name: [] for name in factories}
+            runs: dict[str, list[Cell]] = {name: [] for name in tiers}
             for _ in range(repeats):
-                for name, make in factories.items():
+                for name, bench_tier in tiers.items():
                     with _workdir(work_root) as workdir:
-                        tier = make(conns, workdir)
+                        tier = bench_tier.make(conns, workdir)
                         try:
                             runs[name].append(_measure(name, tier, source, target, chunk, count,
-                                                       conns, keys_per_job))
+                                                       conns, keys_per_job, next(run_ids)))
                         finally:
-                            tier.clear()
+                            if bench_tier.clear_after:
+                                tier.clear()
                             tier.close()
+                if raw is not None:
+                    write, read = raw[1](chunk, conns, count)
+                    runs.setdefault(raw[0], []).append(Cell(
+                        raw[0], chunk / MIB, conns, count, write, read, None, None, None, None,
+                        0, 0, {"lookup": [], "read": []}))
             cells += [_best(samples) for samples in runs.values()]
         del source, target
     result = _summarise(backend, cells, note, repeats)
@@ -96,7 +116,7 @@ def _best(runs: list[Cell]) -> Cell:
     first = runs[0]
     return Cell(first.tier, first.value_mib, first.connections, first.values,
                 max(r.write_gbps for r in runs), max(r.read_gbps for r in runs),
-                *(_pct(sum((r.samples[k] for r in runs), []), q) * scale
+                *(_pct(sum((r.samples[k] for r in runs), []), q, scale)
                   for k, q, scale in (("lookup", 50, 1e6), ("lookup", 99, 1e6),
                                       ("read", 50, 1e3), ("read", 99, 1e3))),
                 sum(r.mismatches for r in runs), sum(r.failed_keys for r in runs),
@@ -129,8 +149,8 @@ def _workdir(root: str | None) -> Iterator[str]:
 
 
 def _measure(name: str, tier: StorageTier, source: torch.Tensor, target: torch.Tensor,
-             chunk: int, count: int, conns: int, keys_per_job: int) -> Cell:
-    keys = [f"bench-{chunk}-{i}".encode() for i in range(count)]
+             chunk: int, count: int, conns: int, keys_per_job: int, run_id: int) -> Cell:
+    keys = [f"bench-{run_id}-{chunk}-{i}".encode() for i in range(count)]
     src = [source[i * chunk:(i + 1) * chunk] for i in range(count)]
     dst = [target[i * chunk:(i + 1) * chunk] for i in range(count)]
     write_s, failed = _run_jobs(tier, tier.submit_write, keys, src, keys_per_job)
@@ -151,8 +171,8 @@ def _measure(name: str, tier: StorageTier, source: torch.Tensor, target: torch.T
         failed_reads += bad
     total = chunk * count
     return Cell(name, chunk / MIB, conns, count, total / write_s / 1e9, total / read_s / 1e9,
-                _pct(lookups, 50) * 1e6, _pct(lookups, 99) * 1e6, _pct(reads, 50) * 1e3,
-                _pct(reads, 99) * 1e3, mismatches, failed + failed_reads,
+                _pct(lookups, 50, 1e6), _pct(lookups, 99, 1e6), _pct(reads, 50, 1e3),
+                _pct(reads, 99, 1e3), mismatches, failed + failed_reads,
                 {"lookup": lookups, "read": reads})
 
 
@@ -170,8 +190,8 @@ def _run_jobs(tier: StorageTier, submit, keys, views, per_job: int) -> tuple[flo
     return time.perf_counter() - start, failed
 
 
-def _pct(samples: list[float], q: int) -> float:
-    return float(np.percentile(samples, q))
+def _pct(samples: list[float], q: int, scale: float) -> float | None:
+    return float(np.percentile(samples, q)) * scale if samples else None
 
 
 def _summarise(backend: str, cells: list[Cell], note: str, repeats: int) -> dict:
@@ -205,13 +225,16 @@ def _summarise(backend: str, cells: list[Cell], note: str, repeats: int) -> dict
 def format_tier_table(r: dict) -> str:
     lines = [f"kv-offload bench: backend={r['backend']} vs the filesystem tier, same run, "
              f"GB/s best of {r['repeats']}" + (f" ({r['note']})" if r["note"] else ""),
-             f"{'tier':<12}{'value':>7}{'conns':>6}{'write GB/s':>11}{'read GB/s':>10}"
+             f"{'tier':<16}{'value':>7}{'conns':>6}{'write GB/s':>11}{'read GB/s':>10}"
              f"{'lookup p50/p99 us':>19}{'read p50/p99 ms':>17}{'bad':>5}"]
     for c in r["cells"]:
+        lookup = read = f"{'-':>8} {'':8}"
+        if c["lookup_p50_us"] is not None:
+            lookup = f"{c['lookup_p50_us']:>10.1f}/{c['lookup_p99_us']:<8.1f}"
+            read = f"{c['read_p50_ms']:>8.2f}/{c['read_p99_ms']:<8.2f}"
         lines.append(
-            f"{c['tier']:<12}{c['value_mib']:>5g}Mi{c['connections']:>6}{c['write_gbps']:>11.2f}"
-            f"{c['read_gbps']:>10.2f}{c['lookup_p50_us']:>10.1f}/{c['lookup_p99_us']:<8.1f}"
-            f"{c['read_p50_ms']:>8.2f}/{c['read_p99_ms']:<8.2f}"
+            f"{c['tier']:<16}{c['value_mib']:>5g}Mi{c['connections']:>6}"
+            f"{c['write_gbps']:>11.2f}{c['read_gbps']:>10.2f}{lookup}{read}"
             f"{c['mismatches'] + c['failed_keys']:>4}")
     lines.append(f"mismatches: {r['mismatches']}   failed keys: {r['failed_keys']}")
     if "goal" in r:
@@ -237,29 +260,63 @@ def run_shared_store_bench(args) -> dict:
             make, note = _valkey_factory(args, stack)
         else:
             make, note = _s3_factory(args, stack)
+        raw = None
+        if args.backend == "valkey" and args.url is None:
+            raw = _server_alone(make)
+        tiers = {args.backend: BenchTier(make, clear_after=args.backend != "valkey"),
+                 "filesystem": BenchTier(filesystem_factory)}
         result = run_tier_bench(
-            args.backend, {args.backend: make, "filesystem": filesystem_factory},
+            args.backend, tiers,
             value_mib=tuple(args.value_mib), connections=tuple(args.connections),
-            total_mib=args.total_mib, repeats=args.repeats, work_root=args.fs_root, note=note)
+            total_mib=args.total_mib, repeats=args.repeats, work_root=args.fs_root, note=note,
+            raw=raw)
     return result
+
+
+def fill_until_evicting(url: str, value_bytes: int = 16 * MIB) -> None:
+    """Write filler values until the server starts evicting (its memory is then all in use)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    filler = bytes(value_bytes)
+    for i in itertools.count():
+        client.set(f"kv-offload-bench-fill:{i}", filler)
+        if client.info("stats")["evicted_keys"] > 0:
+            return
+
+
+def _server_alone(make) -> tuple[str, RawBaseline] | None:
+    """redis-benchmark on the bench's own server, if the binary is there."""
+    from kv_offload.backends.valkey.server_bench import benchmark_binary, server_alone_gbps
+
+    binary = benchmark_binary()
+    if binary is None:
+        return None
+    port = make.server.port
+    return (os.path.basename(binary),
+            lambda size, conns, count: server_alone_gbps(binary, port, size, conns, count))
 
 
 def _valkey_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str]:
     from kv_offload.backends.valkey import ValkeyTier
 
-    url, note = args.url, f"server {args.url}"
+    url, note, server = args.url, f"server {args.url}", None
     if url is None:
         from kv_offload.backends.valkey.local_server import LocalServer
 
-        # Room for the largest cell (values + headers + the allocator's slack).
+        # Room for four cells; filled first, so the benchmark runs on a full, warm cache
+        # that evicts (LRU) as a server in service does.
         server = stack.enter_context(LocalServer(maxmemory=f"{4 * args.total_mib}mb"))
-        url, note = server.url, f"local {os.path.basename(server.binary)} on loopback"
+        fill_until_evicting(server.url)
+        url = server.url
+        note = f"local {os.path.basename(server.binary)} on loopback, full and evicting"
 
     def make(conns: int, workdir: str) -> StorageTier:
         return ValkeyTier.from_options({"url": url, "connections": conns,
                                         "key_prefix": f"kv-offload-bench-{os.getpid()}:",
                                         "timeout_s": 30.0, "refresh_interval_s": 0},
                                        "bench-layout")
+    make.server = server  # (the raw baseline runs on the same server)
     return make, note
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_offload.backends.example import DictTier
-from kv_offload.backends.tier_bench import filesystem_factory, run_tier_bench
+from kv_offload.backends.tier_bench import BenchTier, filesystem_factory, run_tier_bench
 from kv_offload.cli import main
 
 FIELDS = {"write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
@@ -57,8 +57,9 @@ class _FlipsAByteOnRead(DictTier):
 
 
 def test_the_byte_check_counts_wrong_bytes(tmp_path):
-    result = run_tier_bench("dict", {"dict": lambda conns, workdir: _FlipsAByteOnRead(),
-                                     "filesystem": filesystem_factory},
+    result = run_tier_bench("dict", {
+        "dict": BenchTier(lambda conns, workdir: _FlipsAByteOnRead()),
+        "filesystem": BenchTier(filesystem_factory)},
                             value_mib=(0.0625,), connections=(1,), total_mib=1, repeats=1,
                             work_root=str(tmp_path))
     by_tier = {c["tier"]: c for c in result["cells"]}
