@@ -263,7 +263,9 @@ def run_shared_store_bench(args) -> dict:
         raw = None
         if args.backend == "valkey" and args.url is None:
             raw = _server_alone(make)
-        tiers = {args.backend: BenchTier(make, clear_after=args.backend != "valkey"),
+        # Our own Valkey server evicts on its own; a server named by --url is cleaned up.
+        keep = args.backend == "valkey" and args.url is None
+        tiers = {args.backend: BenchTier(make, clear_after=not keep),
                  "filesystem": BenchTier(filesystem_factory)}
         result = run_tier_bench(
             args.backend, tiers,
