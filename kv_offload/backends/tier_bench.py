@@ -216,8 +216,9 @@ def _summarise(backend: str, cells: list[Cell], note: str, repeats: int) -> dict
         "failed_keys": sum(c.failed_keys for c in cells),
         "cells": [asdict(c) for c in cells],
     }
-    if backend == GOAL["backend"]:
-        got = min(read, write)
+    if backend == GOAL["backend"]:  # both directions at one connection count
+        at_goal = [c for c in cells if c.tier == backend and c.value_mib == GOAL["value_mib"]]
+        got = max((min(c.write_gbps, c.read_gbps) for c in at_goal), default=0.0)
         result["goal"] = {**GOAL, "measured_gbps": got, "met": got >= GOAL["min_gbps"]}
     return result
 
@@ -240,7 +241,8 @@ def format_tier_table(r: dict) -> str:
     if "goal" in r:
         g = r["goal"]
         lines.append(f"goal: >= {g['min_gbps']} GB/s with {g['value_mib']} MiB values "
-                     f"(slower of write/read, best connections): {g['measured_gbps']:.2f} "
+                     f"(the slower of write and read, at the best connection count): "
+                     f"{g['measured_gbps']:.2f} "
                      f"GB/s, {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
