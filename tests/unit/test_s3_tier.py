@@ -185,3 +185,16 @@ def test_a_stalled_endpoint_costs_at_most_the_timeout(own_s3_server):
     time.sleep(tier.config.retry_interval_s)
     assert read(tier, [b"k"], [out]).ok and torch.equal(out, data)
     tier.close()
+
+
+def test_an_endpoint_down_at_start_is_a_miss_not_an_error(s3_credentials):
+    from kv_offload.backends.valkey.local_server import free_port
+
+    start = time.monotonic()
+    tier = S3Tier.from_options({"bucket": "nowhere", "bytes_to_use": 1 << 20,
+                                "endpoint_url": f"http://127.0.0.1:{free_port()}",
+                                "refresh_interval_s": 0}, FINGERPRINT)
+    assert time.monotonic() - start < 3.0 and tier.lookup([b"k"]) == [False]
+    assert not write(tier, [b"k"], [random_bytes(100, 8)]).ok
+    assert tier.stats()["outages"] == 1
+    tier.close()

@@ -228,3 +228,18 @@ def test_large_jobs_are_split_into_bounded_batches_and_stay_exact(valkey_server)
     assert read(tier, keys, outs).ok
     assert all(torch.equal(o, v) for o, v in zip(outs, values))
     tier.close()
+
+
+def test_a_server_down_at_start_is_a_logged_miss_not_an_error(caplog):
+    from kv_offload.backends.valkey.local_server import free_port
+
+    url = f"redis://user:secret@127.0.0.1:{free_port()}/0"  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="kv_offload"):
+        tier, seconds = timed(ValkeyTier.from_options, {"url": url, "refresh_interval_s": 0},
+                              FINGERPRINT)
+    assert seconds < 2.0 and tier.lookup([b"k"]) == [False]
+    assert not write(tier, [b"k"], [random_bytes(100, 8)]).ok
+    assert read(tier, [b"k"], [sentinel(100)]).succeeded == (False,)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "127.0.0.1" in warning and "secret" not in warning  # no password in logs
+    tier.close()

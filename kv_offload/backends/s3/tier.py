@@ -4,8 +4,9 @@
   (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
   data): an object from another layout or damaged is a miss and is deleted; never wrong bytes.
   One object per block, not per chunk of blocks: a block is the unit the engine asks for,
-  blocks of one prompt are hit and evicted independently, and with MiB-sized blocks the
-  per-request overhead is small (measured by ``kv-offload bench --backend s3``).
+  and blocks of one prompt are hit and evicted independently. (``kv-offload bench --backend
+  s3`` measures the per-object cost at 1, 4 and 16 MiB; objects grouping several blocks were
+  not built or measured.)
 - Writes use ``If-None-Match: *`` where the store supports it: the same key always names the
   same bytes, so an object already there is never sent twice (a store that refuses the
   header gets plain puts from then on).
