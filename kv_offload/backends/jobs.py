@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 
 from kv_offload.backends.base import TierJobResult
 from kv_offload.errors import TierClosedError
@@ -68,6 +69,15 @@ class JobBook:
             job.pending -= len(indices)
             if job.pending == 0:
                 self._results.append(job.result())
+
+    def start(self, pool: Executor, fn: Callable[..., None], *args: object) -> None:
+        """Hand one task of a job to the I/O pool (a pool that a concurrent ``close`` shut
+        down refuses it: ``TierClosedError``, as for any submit after close)."""
+        try:
+            pool.submit(fn, *args)
+        except RuntimeError as e:
+            raise TierClosedError(f"this {self.name} was closed while a job was submitted") \
+                from e
 
     def poll(self) -> list[TierJobResult]:
         with self._lock:

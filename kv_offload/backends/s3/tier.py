@@ -36,6 +36,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
+    TierJobResult,
     TierStats,
     check_tier_keys,
     check_tier_request,
@@ -76,7 +77,7 @@ class S3Tier(StorageTier):
             config=BotoConfig(
                 connect_timeout=config.connect_timeout_s, read_timeout=config.timeout_s,
                 retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                max_pool_connections=config.connections + 1, s3={"addressing_style": style},
+                max_pool_connections=config.connections + 2, s3={"addressing_style": style},
                 # Our records carry their own xxh3 checksum: no second one per request.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required"))
@@ -129,7 +130,7 @@ class S3Tier(StorageTier):
                 self._book.count("write_failed", "write_failed_budget")
                 self._book.finish(job, [i], False)
                 continue
-            self._io.submit(self._write_one, job, i, key, buf, size, victims)
+            self._book.start(self._io, self._write_one, job, i, key, buf, size, victims)
         return job.job_id
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
@@ -140,10 +141,10 @@ class S3Tier(StorageTier):
                 self._book.count("read_failed", "read_failed_absent")
                 self._book.finish(job, [i], False)
                 continue
-            self._io.submit(self._read_one, job, i, key, buf)
+            self._book.start(self._io, self._read_one, job, i, key, buf)
         return job.job_id
 
-    def poll(self):
+    def poll(self) -> list[TierJobResult]:
         return self._book.poll()
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from redis.retry import Retry
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
+    TierJobResult,
     TierStats,
     check_tier_keys,
     check_tier_request,
@@ -76,7 +77,7 @@ class ValkeyTier(StorageTier):
         self._packer = split_value_packer()
         pool = redis.BlockingConnectionPool.from_url(
             config.url,
-            max_connections=config.connections + 1,  # + the refresh thread
+            max_connections=config.connections + 2,  # + the refresh thread, + clear()
             timeout=config.timeout_s,  # waiting for a free connection is bounded too
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.connect_timeout_s,
@@ -122,7 +123,7 @@ class ValkeyTier(StorageTier):
         check_tier_request(keys, buffers)
         return self._submit(keys, buffers, self._read_batch, max_batch=READ_BATCH_BYTES)
 
-    def poll(self):
+    def poll(self) -> list[TierJobResult]:
         return self._book.poll()
 
     def close(self) -> None:
@@ -223,10 +224,10 @@ class ValkeyTier(StorageTier):
             batch.append(item)
             size += item[1][1].numel()
             if size >= cap:
-                self._io.submit(run_batch, job, batch)
+                self._book.start(self._io, run_batch, job, batch)
                 batch, size = [], 0
         if batch:
-            self._io.submit(run_batch, job, batch)
+            self._book.start(self._io, run_batch, job, batch)
         return job.job_id
 
     def _write_batch(self, job: Job, batch: list) -> None:
