@@ -38,9 +38,24 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
     pin = cuda_present() if pin is None else pin
     if pin and not cuda_present():
         raise ConfigError("pinned host memory was asked for, but CUDA is not available")
-    if pin:
-        return torch.empty((num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=True)
     nbytes = num_slots * layout.slot_bytes
     raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.int8)
     shift = (-raw.data_ptr()) % PAGE_BYTES
-    return raw[shift:shift + nbytes].view(num_slots, layout.slot_bytes)
+    pool = raw[shift:shift + nbytes].view(num_slots, layout.slot_bytes)
+    if pin:
+        # Page-lock exactly these bytes. torch's pinned allocator (`pin_memory=True`) rounds
+        # each request up to a power of two: 20 GiB would lock 32 GiB of the machine.
+        register_pinned(pool)
+    return pool
+
+
+def register_pinned(pool: torch.Tensor) -> None:
+    """Page-lock `pool`'s bytes with `cudaHostRegister` (unregistered at exit by the driver
+    with the process; the pool lives as long as its backend)."""
+    cudart = torch.cuda.cudart()
+    nbytes = pool.numel() * pool.element_size()
+    status = cudart.cudaHostRegister(pool.data_ptr(), nbytes, 0)
+    if int(status) != 0:
+        raise ConfigError(f"cannot page-lock {nbytes} bytes of host memory for the host tier "
+                          f"(cudaHostRegister returned {int(status)}); lower cpu_bytes_to_use "
+                          f"or raise the memlock limit (ulimit -l)")
