@@ -1,44 +1,9 @@
-"""The in-memory views of shared tiers: ChangeFeed (bounded chunks of what a view gained and
-lost, latest state winning) and the Valkey tier's KeyView (scans merged by generation)."""
+"""The Valkey tier's in-memory view: scans merged by generation, every change through the
+change feed (the filesystem tier's ChangeFeed, tested with that tier)."""
 
 from __future__ import annotations
 
-import pytest
-
-from kv_offload.backends.changes import ChangeFeed
 from kv_offload.backends.valkey.view import KeyView
-
-
-def test_nothing_is_recorded_before_the_first_take_which_starts_from_a_snapshot():
-    feed = ChangeFeed()
-    feed.added([b"a", b"b"])
-    feed.removed([b"a"])
-    assert len(feed) == 0  # nobody subscribed: no backlog grows
-    first = feed.take(2, lambda: [b"b", b"c", b"d"])
-    assert first.added == (b"b", b"c") and first.removed == ()
-    assert feed.take(10, lambda: pytest.fail("snapshot taken twice")).added == (b"d",)
-
-
-def test_the_latest_state_of_a_key_wins_and_moves_it_to_the_end():
-    feed = ChangeFeed()
-    feed.take(1, list)
-    feed.added([b"a", b"b", b"c"])
-    feed.removed([b"a"])
-    feed.added([b"b"])
-    changes = feed.take(10, list)
-    assert changes.added == (b"c", b"b") and changes.removed == (b"a",)
-    assert feed.take(10, list).added == () and len(feed) == 0
-
-
-def test_chunks_are_bounded_and_keep_the_order():
-    feed = ChangeFeed()
-    feed.take(1, list)
-    feed.added([bytes([i]) for i in range(10)])
-    chunks = [feed.take(3, list) for _ in range(4)]
-    assert [len(c) for c in chunks] == [3, 3, 3, 1]
-    assert b"".join(k for c in chunks for k in c.added) == bytes(range(10))
-    with pytest.raises(ValueError, match="max_keys must be >= 1"):
-        feed.take(0, list)
 
 
 def test_a_scan_drops_only_keys_that_predate_it():

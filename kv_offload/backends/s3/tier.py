@@ -11,11 +11,13 @@
   same bytes, so an object already there is never sent twice (a store that refuses the
   header gets plain puts from then on).
 - An object store does not evict: ``bytes_to_use`` is enforced by this client with the disk
-  tier's index (``KeyIndex``: LRU by last access, a key being read is never evicted). The index
-  starts from a listing of the prefix and is re-listed every ``refresh_interval_s``, adopting
-  other writers' objects (ordered by their last-modified time) and dropping vanished ones.
-  Several writers therefore share the budget loosely: each evicts by its own view, and the
-  bucket can exceed ``bytes_to_use`` by what others wrote since the last listing.
+  tier's index (``KeyIndex``: LRU by last access, a key being read is never evicted, victims
+  deleted only once the write that needed their room landed, every change recorded in its
+  change feed for ``take_changes``). The index starts from a listing of the prefix and is
+  re-listed every ``refresh_interval_s``, adopting other writers' objects (ordered by their
+  last-modified time) and dropping vanished ones. Several writers therefore share the budget
+  loosely: each evicts by its own view, and the bucket can exceed ``bytes_to_use`` by what
+  others wrote since the last listing.
 - ``lookup`` answers from that index (never the network). Jobs run one request per key on
   ``connections`` threads; every request is bounded by the timeouts, an unreachable endpoint
   makes later jobs fail fast for ``retry_interval_s`` (``Outage``), one log line per episode.
@@ -41,9 +43,9 @@ from kv_offload.backends.base import (
     check_tier_keys,
     check_tier_request,
 )
-from kv_offload.backends.changes import ChangeFeed
-from kv_offload.backends.filesystem.index import KeyIndex, ScannedFile
+from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.filesystem.listing import ScanListing
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
@@ -81,9 +83,7 @@ class S3Tier(StorageTier):
                 # Our records carry their own xxh3 checksum: no second one per request.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required"))
-        self._index = KeyIndex(config.bytes_to_use)
-        self._feed = ChangeFeed()
-        self._view_lock = threading.Lock()  # index changes and the feed move together
+        self._index = KeyIndex(config.bytes_to_use)  # records every change in its feed
         self._book = JobBook("S3Tier", logger)
         where = config.endpoint_url or "AWS S3"
         self._where = f"s3://{config.bucket}/{self._root} at {where}"
@@ -123,14 +123,12 @@ class S3Tier(StorageTier):
                 self._book.finish(job, [i], True)
                 continue
             size = data_offset(key, fingerprint, buf.numel(), align=NETWORK_ALIGN) + buf.numel()
-            with self._view_lock:
-                victims = self._index.reserve(size)
-                self._feed.removed(victims or [])
-            if victims is None:
+            reservation = self._index.reserve(size)  # victims go once this write landed
+            if reservation is None:
                 self._book.count("write_failed", "write_failed_budget")
                 self._book.finish(job, [i], False)
                 continue
-            self._book.start(self._io, self._write_one, job, i, key, buf, size, victims)
+            self._book.start(self._io, self._write_one, job, i, key, buf, size, reservation)
         return job.job_id
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
@@ -158,8 +156,7 @@ class S3Tier(StorageTier):
     # -- optional hooks --------------------------------------------------------------------
 
     def take_changes(self, max_keys: int) -> TierChanges:
-        with self._view_lock:
-            return self._feed.take(max_keys, self._index.keys)
+        return self._index.feed.take(max_keys)
 
     def keys(self) -> list[bytes]:
         return self._index.keys()
@@ -167,11 +164,9 @@ class S3Tier(StorageTier):
     def clear(self) -> None:
         """Delete every object of this layout under the prefix (every writer's), and forget
         them. An unreachable endpoint keeps them: logged, counted."""
-        with self._view_lock:
-            held = self._index.keys()
-            for key in held:
-                self._index.remove(key)
-            self._feed.removed(held)
+        held = self._index.keys()  # (a snapshot: removing while iterating the index)
+        for key in held:
+            self._index.remove(key)
         try:
             for page in self._s3.get_paginator("list_objects_v2").paginate(
                     Bucket=self.config.bucket, Prefix=self._root):
@@ -190,8 +185,8 @@ class S3Tier(StorageTier):
         """List the prefix now: adopt others' objects, drop vanished ones, evict to budget."""
         if not self._outage.should_try():
             return
-        generation = self._index.start_scan()
-        files = []
+        generation = self._index.start_scan()  # (keys written meanwhile are not dropped)
+        listing = ScanListing()
         try:
             for page in self._s3.get_paginator("list_objects_v2").paginate(
                     Bucket=self.config.bucket, Prefix=self._root):
@@ -200,23 +195,16 @@ class S3Tier(StorageTier):
                 for obj in page.get("Contents", []):
                     key = self._key_of(obj["Key"])
                     if key is not None:
-                        files.append(ScannedFile(key, obj["Size"],
-                                                 obj["LastModified"].timestamp()))
+                        listing.add(key, obj["Size"], obj["LastModified"].timestamp())
             self._outage.succeeded()
         except (BotoCoreError, ClientError, OSError) as e:
             self._trouble("refresh", e)
             return
-        with self._view_lock:
-            before = set(self._index.keys())
-            self._index.merge_scan(files, generation)
-            victims = self._index.evict_to_budget()
-            after = set(self._index.keys())
-            self._feed.added(after - before)
-            self._feed.removed(before - after)
-        self._delete(victims)
+        merged = self._index.merge_scan(listing, generation)
+        self._delete(self._index.evict_to_budget())
         self._book.count("refreshes")
-        self._book.count("keys_adopted", n=len(after - before))
-        self._book.count("keys_vanished", n=len(before - after) - len(victims))
+        self._book.count("keys_adopted", n=merged.added)
+        self._book.count("keys_vanished", n=merged.dropped)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -230,20 +218,18 @@ class S3Tier(StorageTier):
             return None  # not one of ours
 
     def _write_one(self, job: Job, i: int, key: bytes, buf: torch.Tensor, size: int,
-                   victims: list[bytes]) -> None:
+                   reservation: Reservation) -> None:
         ok = False
         try:
             if not self._outage.should_try():
                 self._book.count("write_failed", "write_failed_unreachable")
                 return
-            self._delete(victims)
             sent = self._put(key, pack(key, self.config.layout_fingerprint, host_view(buf),
                                        align=NETWORK_ALIGN))
-            with self._view_lock:
-                self._index.commit(key, size, size)
-                self._feed.added([key])
+            victims = self._index.commit(reservation, key, size)
             ok = True
             self._outage.succeeded()
+            self._delete(victims)  # only now: a failed write costs nothing but itself
             if sent:
                 self._book.count("write_ok")
                 self._book.count("bytes_written", n=size)
@@ -256,7 +242,7 @@ class S3Tier(StorageTier):
             logger.exception("kv-offload: unexpected error writing to %s", self._where)
         finally:
             if not ok:
-                self._index.release(size)
+                self._index.release(reservation)  # its victims stay
             self._book.finish(job, [i], ok)
 
     def _put(self, key: bytes, body: bytes) -> bool:
@@ -322,9 +308,8 @@ class S3Tier(StorageTier):
         self._delete([key])
 
     def _forget(self, keys: list[bytes]) -> None:
-        with self._view_lock:
-            gone = [k for k in keys if self._index.remove(k)]
-            self._feed.removed(gone)
+        for key in keys:
+            self._index.remove(key)
 
     def _delete(self, keys: list[bytes]) -> None:
         """Delete objects (already out of the index); failures only leave garbage behind

@@ -9,7 +9,8 @@ misses is a miss (the engine recomputes), never wrong bytes.
 Scans are merged with a generation stamp, as the filesystem tier's index does: SCAN returns
 every key present for its whole duration, but a key added while it runs may be missing from
 it, so only keys already in the view when the scan began are dropped when the scan did not
-see them. Every change also goes to the view's ``ChangeFeed`` (under the same lock).
+see them. Every change also goes to the view's ``ChangeFeed`` (the filesystem tier's), under
+the view's lock, so the feed and the view never disagree.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from kv_offload.backends.base import TierChanges
-from kv_offload.backends.changes import ChangeFeed
+from kv_offload.backends.filesystem.changes import ChangeFeed
 
 
 class KeyView:
@@ -44,20 +45,22 @@ class KeyView:
     def add(self, keys: Iterable[bytes]) -> None:
         """Keys the server was just seen to hold (our write landed, a read found it)."""
         with self._lock:
-            new = [k for k in keys if k not in self._stamps]
-            for key in new:
-                self._stamps[key] = self._generation
-            self._feed.added(new)
+            for key in keys:
+                if key not in self._stamps:
+                    self._stamps[key] = self._generation
+                    self._feed.added(key)
 
     def discard(self, keys: Iterable[bytes]) -> None:
         """Keys the server was just seen not to hold (evicted, deleted, bad value dropped)."""
         with self._lock:
-            gone = [k for k in keys if self._stamps.pop(k, None) is not None]
-            self._feed.removed(gone)
+            for key in keys:
+                if self._stamps.pop(key, None) is not None:
+                    self._feed.removed(key)
 
     def clear(self) -> None:
         with self._lock:
-            self._feed.removed(self._stamps)
+            for key in self._stamps:
+                self._feed.removed(key)
             self._stamps.clear()
 
     def begin_scan(self) -> int:
@@ -78,10 +81,10 @@ class KeyView:
                 self._stamps[key] = generation
             for key in gone:
                 del self._stamps[key]
-            self._feed.added(new)
-            self._feed.removed(gone)
+                self._feed.removed(key)
+            for key in new:
+                self._feed.added(key)
         return len(new), len(gone)
 
     def take_changes(self, max_keys: int) -> TierChanges:
-        with self._lock:
-            return self._feed.take(max_keys, lambda: list(self._stamps))
+        return self._feed.take(max_keys)
