@@ -13,6 +13,7 @@ the thread: it is counted and logged once per episode, and the next round tries 
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ class Rescanner:
         index: KeyIndex,
         delete: Callable[[list[bytes]], None],
         count: Callable[..., None],
-        failures: FailureEpisodes,
+        episodes: Callable[[str], FailureEpisodes],
     ) -> None:
         self._config = config
         self._layout_dir = layout_dir
@@ -47,7 +48,8 @@ class Rescanner:
         self._index = index
         self._delete = delete  # deletes the files of evicted keys and counts them
         self._count = count
-        self._failures = failures
+        self._failures = episodes("rescan")
+        self._root_failures = episodes("root_survey")
         self._lock = threading.Lock()  # one rescan at a time (never taken by a caller)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-fs-rescan", daemon=True)
@@ -70,7 +72,12 @@ class Rescanner:
                 self._layout_dir, self._host, self._config.stale_temp_s
             )
             merged = self._index.merge_scan(files, generation, pause)
-            self._fit_root()
+            try:  # (an unreadable corner of a shared root must not stop this tier's upkeep)
+                self._fit_root()
+                self._root_failures.succeeded()
+            except OSError as e:
+                name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
+                self._root_failures.failed(name, f"{self._config.root_dir}: {e}")
             self._delete(self._index.evict_to_budget(pause))
         self._count("rescans")
         self._count("temp_files_swept", n=swept)
