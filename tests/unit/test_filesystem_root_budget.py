@@ -187,3 +187,20 @@ def test_a_layout_directory_deleted_under_a_running_tier_is_survived(tmp_path, c
     assert "root_surveys work again" in failures[1]
     assert tier.lookup([chunk(i, SIZE)[0] for i in range(3)]) == [False, False, True]
     tier.close()
+
+
+def test_a_root_full_of_files_that_are_not_ours_refuses_writes_and_says_so(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="kv_offload.backends.filesystem")
+    (tmp_path / "big.bin").write_bytes(b"\0" * (4 * FILE))
+    tier = make_tier(tmp_path, "new", 4 * FILE)
+    assert tier.stats().share_bytes == 0
+    assert write(tier, [chunk(0, SIZE)[0]], [chunk(0, SIZE)[1]]).succeeded == (False,)
+    assert tier.stats()["write_failed_budget"] == 1
+    os.unlink(tmp_path / "big.bin")
+    tier.rescan()
+    tier.rescan()
+    store(tier, 0)
+    logged = [r.getMessage() for r in caplog.records if "disk budget" in r.getMessage()
+              or "has room again" in r.getMessage()]
+    assert len(logged) == 2 and "nothing can be stored" in logged[0]
+    tier.close()

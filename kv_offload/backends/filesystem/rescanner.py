@@ -54,6 +54,7 @@ class Rescanner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-fs-rescan", daemon=True)
         self.root = RootSurvey()  # the root as the last rescan found it
+        self._starved = False  # whether the last rescan left this tier no room at all
 
     def start(self) -> None:
         self._thread.start()
@@ -92,6 +93,16 @@ class Rescanner:
         )
         self.root = fit.survey
         self._index.set_budget(fit.share_bytes)
+        if (fit.share_bytes == 0) != self._starved:  # one line when it starts, one when it ends
+            self._starved = fit.share_bytes == 0
+            if self._starved:
+                logger.warning(
+                    "kv-offload: files that are not ours under %s fill the whole disk budget "
+                    "(%d bytes): nothing can be stored", config.root_dir, config.bytes_to_use,
+                )
+            else:
+                logger.warning("kv-offload: the disk tier under %s has room again",
+                               config.root_dir)
         if fit.evicted.files:
             self._count("foreign_files_evicted", n=fit.evicted.files)
             self._count("foreign_bytes_evicted", n=fit.evicted.bytes)
