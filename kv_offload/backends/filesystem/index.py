@@ -40,6 +40,7 @@ import threading
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from kv_offload.backends.filesystem.changes import ChangeFeed
 from kv_offload.backends.filesystem.listing import MergeResult, ScanListing, ScannedFile
@@ -91,7 +92,7 @@ class KeyIndex:
     def contains(self, keys: list[bytes]) -> list[bool]:
         """Whether each key is stored (does not count as an access)."""
         with self._lock:
-            return [key in self._lru for key in keys]
+            return self._lru.contains_each(keys)
 
     def keys(self) -> list[bytes]:
         """Every stored key (a snapshot, O(keys), in no particular order: tools and tests)."""
@@ -260,18 +261,19 @@ class KeyIndex:
             runs = [sorted(range(i, min(i + _RUN, len(keys))), key=by_age)
                     for i in range(0, len(keys), _RUN)]
             order = heapq.merge(*runs, key=by_age)
-        sizes = listing.sizes
+        sizes, lru, removed = listing.sizes, self._lru, self._removed
         added = 0
         with Pacer(pause, self._lock) as pacer:
-            for i in order:
-                key = keys[i]
-                if key not in self._lru and key not in self._removed:
-                    size = sizes[rows[i]]
-                    self._lru.put(key, size)
-                    self._committed += size
-                    self.feed.added(key)
-                    added += 1
-                pacer.tick()
+            while step := list(islice(order, 64)):
+                adopted = []
+                for i in step:
+                    key, size = keys[i], sizes[rows[i]]
+                    if key not in removed and lru.add(key, size):
+                        adopted.append(key)
+                        self._committed += size
+                self.feed.extend(adopted, True)  # (before the pacer may pause: same order)
+                added += len(adopted)
+                pacer.tick(len(step))
         return added
 
     # -- internals (lock held) -------------------------------------------------------------

@@ -46,6 +46,11 @@ class ShardedLRU:
     def __contains__(self, key: bytes) -> bool:
         return key in self._shards[hash(key) & (NUM_SHARDS - 1)]
 
+    def contains_each(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each key is stored (one pass: the lookup path of every engine step)."""
+        shards, mask = self._shards, NUM_SHARDS - 1
+        return [key in shards[hash(key) & mask] for key in keys]
+
     def shard(self, index: int) -> dict[bytes, int]:
         """Shard ``index`` (read only: keys -> packed values), for scan merges."""
         return self._shards[index]
@@ -83,6 +88,21 @@ class ShardedLRU:
         """Change the size of a stored ``key``, keeping its place in the order."""
         shard = self._shards[hash(key) & (NUM_SHARDS - 1)]
         shard[key] = shard[key] & ~_SIZE_MASK | size
+
+    def add(self, key: bytes, size: int) -> bool:
+        """Insert an absent ``key`` as the most recent; False (nothing changes) if present."""
+        index = hash(key) & (NUM_SHARDS - 1)
+        shard = self._shards[index]
+        if key in shard:
+            return False
+        if not 0 <= size <= _SIZE_MASK:
+            raise ValueError(f"file size {size} out of range")
+        if not shard:
+            heapq.heappush(self._fronts, (self._tick, index))
+        shard[key] = self._tick << SIZE_BITS | size
+        self._tick += 1
+        self._len += 1
+        return True
 
     def touch(self, key: bytes) -> bool:
         """Make ``key`` the most recent; False if absent."""
