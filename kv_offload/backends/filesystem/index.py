@@ -25,7 +25,7 @@ again) and survives; the budget is then over by its size until the next eviction
 
 Scan merges and evictions never hold the lock for long. A rescan of 500k keys used to diff
 the listing against the index in one lock hold (~0.5-1 s). Now the merge visits the LRU's
-shards (~1/1024 of the keys each) with a `Pacer`: every ~0.25 ms of work it releases the lock
+shards (~1/4096 of the keys each) with a `Pacer`: every ~0.25 ms of work it releases the lock
 and pauses, so that a waiting caller gets the lock and the interpreter lock (GIL). New keys
 are adopted the same way, oldest mtime first. Whatever may have changed during a pause is
 checked again after it; two sets cover the rest: a key committed after the scan started may

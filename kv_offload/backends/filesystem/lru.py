@@ -6,8 +6,8 @@ Contents:
 
 Why not one ``OrderedDict``: at a million keys, growing (or compacting) one hash table copies
 all of it in one call: inserts then stall for 0.1-0.4 s every few hundred thousand writes,
-holding the interpreter and the index lock. A shard holds ~1/1024 of the keys, so its resize
-costs ~1/1024 too. Shards are plain dicts of bytes -> int: the garbage collector untracks them
+holding the interpreter and the index lock. A shard holds ~1/4096 of the keys, so its resize
+costs ~1/4096 too. Shards are plain dicts of bytes -> int: the garbage collector untracks them
 (they hold no container), so a full collection does not walk a million entries either.
 
 Order: every insert and access takes the next tick of a counter, stored with the size in the
@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 
-NUM_SHARDS = 1024  # a power of two
+NUM_SHARDS = 4096  # a power of two
 SIZE_BITS = 44  # sizes below 16 TiB; ticks use the bits above
 _SIZE_MASK = (1 << SIZE_BITS) - 1
 
