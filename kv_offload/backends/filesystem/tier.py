@@ -111,7 +111,7 @@ class FilesystemTier(StorageTier):
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io")
         self._rescanner = Rescanner(
             config, self._layout_dir, self._host, self._index, self._delete, self._count,
-            FailureEpisodes("rescan", self._counts, self._lock, logger),
+            lambda what: FailureEpisodes(what, self._counts, self._lock, logger),
         )
         self._rescanner.rescan(pause=None)  # nobody can call the tier yet: no pauses needed
         self._rescanner.start()  # rescans, and heartbeats even when rescans are off
