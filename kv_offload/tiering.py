@@ -38,6 +38,7 @@ from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
+from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
 from kv_offload.manager import OffloadManager
 from kv_offload.tiering_jobs import (
@@ -97,13 +98,9 @@ class TieredStore(LoadPipeline, StorePipeline):
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str) -> TieredStore:
-        storage = None
-        if config.fs_root_dir is not None:
-            from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+        from kv_offload.backends import make_storage_tier
 
-            storage = FilesystemTier(FilesystemTierConfig(
-                root_dir=config.fs_root_dir, layout_fingerprint=fingerprint,
-                bytes_to_use=config.fs_bytes_to_use, fsync=config.fs_fsync))
+        storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
                    eviction_policy=config.eviction_policy)
 
@@ -134,11 +131,14 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     # --- jobs ---
 
-    def submit_store(self, requests: GroupBlocks) -> int:
+    def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
         skipped. A store larger than the host room is staged (`tiering_stores`): the job
-        ends once every key is in a slot; keys that cannot get room are `skipped`."""
-        store = Store(self._new_job(), {}, time.monotonic())
+        ends once every key is in a slot; keys that cannot get room are `skipped`. On a
+        GPU every piece's copy waits for `ready` (an event on the engine's stream after the
+        forward that wrote the blocks; `CpuBackend.engine_ready()`), also pieces submitted
+        later from the pump, so the CPU never waits for the forward."""
+        store = Store(self._new_job(), {}, time.monotonic(), ready=ready)
         self._stores[store.job_id] = store
         try:
             store.targets = targets_of(requests)
@@ -152,9 +152,12 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._finish_store_if_done(store)
         return store.job_id
 
-    def submit_load(self, requests: GroupBlocks) -> int:
-        """Fill engine blocks from host slots, reading storage-only keys into slots first."""
-        load = Load(self._new_job(), {}, time.monotonic())
+    def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+        """Fill engine blocks from host slots, reading storage-only keys into slots first.
+        On a GPU every copy into the engine waits for `ready` (recorded on the engine's
+        stream when the load was planned: it orders them after vLLM's own work on those
+        blocks, even for pieces submitted later from another thread)."""
+        load = Load(self._new_job(), {}, time.monotonic(), ready=ready)
         try:
             load.targets = targets_of(requests)
             keys = list(load.targets)
@@ -254,8 +257,9 @@ class TieredStore(LoadPipeline, StorePipeline):
             self._open.discard(result.job_id)
             self._done.append(result)
 
-    def _submit_cpu(self, record, direction: Direction, moves) -> None:
-        self._cpu_jobs[self.cpu.submit(direction, moves)] = record
+    def _submit_cpu(self, record, direction: Direction, moves,
+                    ready: EngineReady | None = None) -> None:
+        self._cpu_jobs[self.cpu.submit(direction, moves, ready)] = record
 
     def _host_copied(self, record, success: bool) -> None:
         if isinstance(record, StorePiece):
