@@ -35,6 +35,7 @@ from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
+from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key, storage_key
 from kv_offload.manager import OffloadManager
 from kv_offload.tiering_jobs import (
@@ -91,13 +92,9 @@ class TieredStore(LoadPipeline):
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str) -> TieredStore:
-        storage = None
-        if config.fs_root_dir is not None:
-            from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+        from kv_offload.backends import make_storage_tier
 
-            storage = FilesystemTier(FilesystemTierConfig(
-                root_dir=config.fs_root_dir, layout_fingerprint=fingerprint,
-                bytes_to_use=config.fs_bytes_to_use, fsync=config.fs_fsync))
+        storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
                    eviction_policy=config.eviction_policy)
 
@@ -128,11 +125,13 @@ class TieredStore(LoadPipeline):
 
     # --- jobs ---
 
-    def submit_store(self, requests: GroupBlocks) -> int:
+    def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
         skipped. When the host tier cannot make room for all of them (slots pinned by
         loads and write-throughs in flight), the leading keys that fit are stored (the
-        start of a prefix is worth the most) and the rest are `skipped`."""
+        start of a prefix is worth the most) and the rest are `skipped`. On a GPU the copy
+        waits for `ready` (an event on the engine's stream after the forward that wrote the
+        blocks; `CpuBackend.engine_ready()`), so the CPU never waits for the forward."""
         job_id = self._new_job()
         targets: dict[OffloadKey, list[int]] = {}
         try:
@@ -158,16 +157,19 @@ class TieredStore(LoadPipeline):
             firsts = {k: targets[k][:1] for k in plan.keys}
             try:
                 self._submit_cpu(Store(job_id, plan.keys, targets, skipped), Direction.STORE,
-                                 transfers(plan.keys, plan.slots, firsts))
+                                 transfers(plan.keys, plan.slots, firsts), ready)
             except Exception as exc:  # e.g. the host tier is closing
                 self.faults.failed("store submit", exc)
                 self.manager.complete_store(list(plan.keys), False)
                 self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
         return job_id
 
-    def submit_load(self, requests: GroupBlocks) -> int:
-        """Fill engine blocks from host slots, reading storage-only keys into slots first."""
-        load = Load(self._new_job(), {}, time.monotonic())
+    def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+        """Fill engine blocks from host slots, reading storage-only keys into slots first.
+        On a GPU every copy into the engine waits for `ready` (recorded on the engine's
+        stream when the load was planned: it orders them after vLLM's own work on those
+        blocks, even for pieces submitted later from another thread)."""
+        load = Load(self._new_job(), {}, time.monotonic(), ready=ready)
         try:
             load.targets = targets_of(requests)
             keys = list(load.targets)
@@ -303,8 +305,9 @@ class TieredStore(LoadPipeline):
             self._open.discard(result.job_id)
             self._done.append(result)
 
-    def _submit_cpu(self, record, direction: Direction, moves) -> None:
-        self._cpu_jobs[self.cpu.submit(direction, moves)] = record
+    def _submit_cpu(self, record, direction: Direction, moves,
+                    ready: EngineReady | None = None) -> None:
+        self._cpu_jobs[self.cpu.submit(direction, moves, ready)] = record
 
     def _host_copied(self, record, success: bool) -> None:
         if isinstance(record, Store):

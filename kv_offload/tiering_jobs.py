@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_offload.backends.base import TierStats
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
@@ -61,6 +62,7 @@ class Load:
     pending: int = 0  # host copies and reads in flight
     from_storage: int = 0
     closed: bool = False  # failed whole: pieces still in flight only release resources
+    ready: Any = None  # GPU: the engine-stream event its copies into the engine wait for
 
 
 @dataclass

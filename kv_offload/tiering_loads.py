@@ -35,7 +35,8 @@ class LoadPipeline:
             return
         slots = self.manager.prepare_load(keys)
         try:
-            self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets))
+            self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets),
+                             load.ready)
         except Exception:
             self.manager.complete_load(keys)
             raise

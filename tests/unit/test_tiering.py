@@ -185,3 +185,21 @@ def test_reset_while_reading_from_disk_serves_nothing_old_and_deletes_nothing(tm
     assert not again.success and again.failed == {0: [6]}
     assert len(list(Path(tmp_path).rglob("*.safetensors"))) == 2
     second.close()
+
+
+def test_fingerprint_changes_with_the_layer_order_and_the_file_format(monkeypatch):
+    """Two models whose pages look alike but whose groups list their layers in another
+    order (or an older file format) must never read each other's bytes as valid."""
+    import kv_offload.tiering as tiering
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    fingerprints = []
+    for names in (["a0", "a1"], ["a1", "a0"]):
+        groups = [KVCacheGroup(names, attn)]
+        _, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC")
+        fingerprints.append(layout_fingerprint(canonicalize(caches, groups, NUM_BLOCKS)))
+    assert fingerprints[0] != fingerprints[1]
+    _, canonical = hybrid()
+    before = layout_fingerprint(canonical)
+    monkeypatch.setattr(tiering, "FILE_FORMAT_VERSION", tiering.FILE_FORMAT_VERSION + 1)
+    assert layout_fingerprint(canonical) != before

@@ -10,7 +10,7 @@ few that changed; a feed hands over exactly the changes. The start-up inventory 
 the same feed (recorded as ``added`` by the first scan), so a caller that takes a few thousand
 keys per step learns a large directory over several steps instead of in one long pause.
 
-Cost: ``added``/``removed`` are O(1), ``take`` is O(keys handed out);
+Cost: ``added``/``removed`` are O(1) (``extend``: O(keys)), ``take`` is O(keys handed out);
 both only take the feed's own lock, never a lock the tier's I/O paths hold for long, and never
 do I/O. Memory is one entry per key changed and not yet taken (a key changed many times is one
 entry).
@@ -50,6 +50,15 @@ class ChangeFeed:
 
     def removed(self, key: bytes) -> None:
         self._set(key, False)
+
+    def extend(self, keys: list[bytes], readable: bool) -> None:
+        """Record one state for several keys under one lock hold."""
+        with self._lock:
+            state, order = self._state, self._order
+            for key in keys:
+                if key not in state:
+                    order.append(key)
+                state[key] = readable
 
     def _set(self, key: bytes, readable: bool) -> None:
         with self._lock:

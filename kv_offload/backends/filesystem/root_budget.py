@@ -12,10 +12,10 @@ Contents:
 Why: every model change, upgrade or library format change gets a new layout directory (the
 layout fingerprint names it). Budgeting only one's own directory lets the root grow without
 bound. So ``fs_bytes_to_use`` bounds every file under ``fs_root_dir``. Layout directories
-nobody uses any more are evicted (oldest files first) when the root is over budget; what a
-tier may not evict (directories of live tiers, files that are not ours) comes off its share,
-and it evicts its own least recent keys to stay within it, so several live tiers share the
-budget. Directories of live tiers are never touched.
+nobody uses any more are evicted (oldest files first) when the root is over budget. Live
+tiers (the ranks of one engine, other engines on a shared directory) split the budget: each
+evicts its own least recent keys to stay within its share (`RootSurvey.share`), and never
+touches another live tier's directory. Files that are not ours count and are never deleted.
 
 Liveness: every tier touches ``HEARTBEAT_NAME`` in its layout directory at each rescan (and at
 least every quarter of ``heartbeat_timeout_s``). A directory is live while its heartbeat, or
@@ -67,10 +67,18 @@ class RootSurvey:
     def foreign_bytes(self) -> int:
         return self.other_bytes + sum(d.bytes for d in self.layout_dirs)
 
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes no tier may evict: live layout directories and everything else."""
-        return self.other_bytes + sum(d.bytes for d in self.layout_dirs if d.live)
+    def share(self, budget: int) -> int:
+        """The bytes this tier may keep: ``budget`` minus the files that are not ours, split
+        fairly among the live tiers: each other live tier is counted with what it holds, but
+        at most its fair part (an even split). A tier that started late therefore gets its
+        part even while an earlier one fills the whole root (the earlier one shrinks to its
+        part at its next rescan); a tier that needs less leaves the rest to the others.
+        Stale bytes are not taken off: they are the first to go when the root is over budget
+        (a share without them would leave a tier stuck below a dead directory for good)."""
+        available = budget - self.other_bytes
+        live = [d.bytes for d in self.layout_dirs if d.live]
+        fair = available // (len(live) + 1)
+        return max(0, available - sum(min(held, fair) for held in live))
 
     @property
     def stale_bytes(self) -> int:
@@ -99,10 +107,11 @@ def touch_heartbeat(layout_dir: str) -> float:
 
 
 def _files_under(path: str):
-    """(path, size, mtime) of every regular file below ``path``; vanishing entries skipped."""
+    """(path, size, mtime) of every file below ``path`` (symlinks not followed); entries that
+    vanish or cannot be read (another user's directory) are skipped."""
     try:
         entries = list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return
     for entry in entries:
         try:
@@ -110,7 +119,7 @@ def _files_under(path: str):
                 yield from _files_under(entry.path)
                 continue
             st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
+        except OSError:
             continue
         yield entry.path, st.st_size, st.st_mtime
 
@@ -133,7 +142,7 @@ def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float
             continue
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
-        except FileNotFoundError:
+        except OSError:
             continue
         if is_dir and _LAYOUT_DIR.match(entry.name):
             newest = _heartbeat_mtime(entry.path)
@@ -149,7 +158,7 @@ def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float
         else:
             try:
                 other += entry.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
+            except OSError:
                 continue
     return RootSurvey(tuple(layout_dirs), other)
 
@@ -221,12 +230,10 @@ def fit_root(
     root: str, layout_dir: str, budget: int, own_bytes: int, live_window_s: float
 ) -> RootFit:
     """Touch this tier's heartbeat, survey the root, evict stale layout directories (oldest
-    files first) while the root is over ``budget``, and return this tier's share: ``budget``
-    minus what it may not evict (live directories, other files), at least 0.
-
-    Stale bytes are not taken off the share: they are the first to go, and a share without
-    them would leave a tier stuck below a dead directory's size for good. Between rescans the
-    root may therefore exceed the budget by what this tier wrote since its last rescan."""
+    files first) while the root is over ``budget``, and return this tier's share (see
+    `RootSurvey.share`). The root may exceed the budget between rescans: by what this tier
+    wrote since its last one, or while a tier that holds more than its part has not yet
+    rescanned and shrunk."""
     now = touch_heartbeat(layout_dir)
     survey = survey_root(root, layout_dir, now, live_window_s)
     evicted = StaleEviction()
@@ -236,7 +243,7 @@ def fit_root(
             [d for d in survey.layout_dirs if not d.live], over, now, live_window_s
         )
         survey = survey_root(root, layout_dir, now, live_window_s)
-    return RootFit(survey, evicted, max(0, budget - survey.kept_bytes))
+    return RootFit(survey, evicted, survey.share(budget))
 
 
 def warn_if_larger_than_the_filesystem(path: str, budget: int) -> None:
