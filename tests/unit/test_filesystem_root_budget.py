@@ -92,6 +92,7 @@ def test_a_live_foreign_directory_is_never_deleted_and_the_live_tiers_split_the_
 ):
     first = make_tier(tmp_path, "old", 8 * FILE)
     store(first, *range(8))  # alone under the root: the whole budget is its share
+    first.rescan()  # (its heartbeat says what it holds: others read that, not its files)
     late = make_tier(tmp_path, "new", 8 * FILE)
     assert late.stats().live_foreign_dirs == 1
     assert late.stats().share_bytes == 4 * FILE  # its fair half, although `first` holds all
@@ -203,4 +204,20 @@ def test_a_root_full_of_files_that_are_not_ours_refuses_writes_and_says_so(tmp_p
     logged = [r.getMessage() for r in caplog.records if "disk budget" in r.getMessage()
               or "has room again" in r.getMessage()]
     assert len(logged) == 2 and "nothing can be stored" in logged[0]
+    tier.close()
+
+
+def test_a_live_tier_is_sized_by_its_heartbeat_without_walking_its_files(tmp_path):
+    layout = tmp_path / layout_dir_name("old")
+    layout.mkdir()
+    (layout / HEARTBEAT_NAME).write_bytes(b"kv-offload heartbeat: %d bytes\n" % (3 * FILE))
+    (layout / "ab").mkdir()
+    (layout / "ab" / "00.safetensors").write_bytes(b"\0" * FILE)  # what it says counts
+    tier = make_tier(tmp_path, "new", 8 * FILE)
+    stats = tier.stats()
+    assert (stats.live_foreign_dirs, stats.foreign_bytes) == (1, 3 * FILE)
+    assert stats.share_bytes == 5 * FILE
+    (layout / HEARTBEAT_NAME).write_bytes(b"torn")  # no number: the directory is walked
+    tier.rescan()
+    assert tier.stats().foreign_bytes == FILE
     tier.close()

@@ -3,11 +3,11 @@ change feed (the filesystem tier's ChangeFeed, tested with that tier)."""
 
 from __future__ import annotations
 
-from kv_offload.backends.valkey.view import KeyView
+from kv_offload.backends.valkey.view import ServerKeys
 
 
 def test_a_scan_drops_only_keys_that_predate_it():
-    view = KeyView()
+    view = ServerKeys()
     view.add([b"old", b"kept"])
     generation = view.begin_scan()
     view.add([b"written-during-the-scan"])  # SCAN may or may not have seen it
@@ -20,7 +20,7 @@ def test_a_scan_drops_only_keys_that_predate_it():
 
 
 def test_the_view_reports_every_change_through_its_feed():
-    view = KeyView()
+    view = ServerKeys()
     view.add([b"a"])
     assert view.take_changes(10).added == (b"a",)  # the first take lists what is there
     view.add([b"b"])

@@ -123,7 +123,7 @@ class Rescanner:
                     next_rescan = time.monotonic() + interval
                     self.rescan()
                 else:
-                    touch_heartbeat(self._layout_dir)
+                    touch_heartbeat(self._layout_dir, self._index.used_bytes)
                 self._failures.succeeded()
             except Exception as e:
                 self._failures.failed(

@@ -143,7 +143,8 @@ class FilesystemTier(StorageTier):
                 continue
             size = data_offset(key, self.config.layout_fingerprint, buf.numel()) + buf.numel()
             reservation = self._index.reserve(size)
-            if reservation is None:  # larger than the whole budget: no disk fault, no episode
+            if reservation is None:  # no room in this tier's share, even after evicting all
+                # it may (keys being read, room held by writes in flight): no disk fault
                 self._count("write_failed", "write_failed_budget")
                 continue
             tasks.append((self._write_one, job, i, key, buf, size, reservation))
@@ -173,7 +174,7 @@ class FilesystemTier(StorageTier):
         self._rescanner.stop()
         self._pool.shutdown(wait=True)
 
-    # -- beyond the interface --------------------------------------------------------------
+    # -- optional hooks of the interface, and more -----------------------------------------
 
     def take_changes(self, max_keys: int) -> TierChanges:
         """Keys added or removed since the last call (the start-up inventory first), at most

@@ -4,7 +4,7 @@
   (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
   then the data), so a value from another model, layout or library version, or damaged, is a
   miss and is deleted; never wrong bytes.
-- ``lookup`` answers from an in-memory ``KeyView`` (never the network): our own writes and
+- ``lookup`` answers from an in-memory ``ServerKeys`` (never the network): our own writes and
   reads, and a background ``SCAN`` every ``refresh_interval_s`` (see view.py).
 - Jobs run on ``connections`` I/O threads, split into batches of at most ``batch_bytes`` (and
   spread over the connections). Each batch is two pipelined round trips for writes (``EXISTS``
@@ -55,7 +55,7 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
-from kv_offload.backends.valkey.view import KeyView
+from kv_offload.backends.valkey.view import ServerKeys
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ValkeyTier(StorageTier):
         self._book = JobBook("ValkeyTier", logger)
         self._outage = Outage(f"Valkey server {config.display_url}", config.retry_interval_s,
                               logger)
-        self._view = KeyView()
+        self._view = ServerKeys()
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io")
         self._stop = threading.Event()

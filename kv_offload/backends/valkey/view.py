@@ -1,4 +1,4 @@
-"""KeyView: the keys a shared Valkey server is believed to hold, kept in memory.
+"""ServerKeys: the keys a shared Valkey server is believed to hold, kept in memory.
 
 ``lookup`` is on the scheduler's path every step and must never touch the network, so the tier
 answers from this view. It is a hint, filled by our own writes and reads and corrected by a
@@ -22,7 +22,7 @@ from kv_offload.backends.base import TierChanges
 from kv_offload.backends.filesystem.changes import ChangeFeed
 
 
-class KeyView:
+class ServerKeys:
     """A thread-safe set of keys with scan generations and a change feed."""
 
     def __init__(self) -> None:
