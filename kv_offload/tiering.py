@@ -75,7 +75,7 @@ class TieredStore(LoadPipeline, StorePipeline):
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
                  storage: StorageTier | None = None, eviction_policy: str = "lru",
                  pin: bool | None = None, read_timeout_s: float = 30.0,
-                 staging_slots: int | None = None, store_stage_timeout_s: float = 5.0) -> None:
+                 staging_slots: int | None = None, store_stage_timeout_s: float = 1.0) -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
