@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress
 from math import lcm
 from typing import Any
 
@@ -189,28 +190,49 @@ class OffloadScheduler:
         if not state.frontiers:
             state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)
                                for spec in self.specs]
-        num_hashes = len(request.block_hashes)
+        hashes = request.block_hashes
+        num_hashes = len(hashes)
+        held = list(self._held.values()) if len(self._held) >= self.world_size else []
         for g, spec in enumerate(self.specs):
             per_block = spec.block_size // self.hash_block_size
+            block_ids = state.block_ids[g] if g < len(state.block_ids) else []
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
-                       len(state.block_ids[g]) if g < len(state.block_ids) else 0)
+                       len(block_ids))
             # A block is worth storing once a hit point that loads it is reached; that can
             # be a later step than the one that computed it (a window before a hit point
             # further on). vLLM keeps such a block until then: it is inside that window.
             new = state.frontiers[g].advance(full)
             if not new:
                 continue
-            hashes, ids = stores.setdefault(g, ([], []))
-            for i in sorted(new):
-                block_id = state.block_ids[g][i]
-                if block_id == NULL_BLOCK_ID:
-                    continue
-                block_hash = self._hash_of(request, g, i)
-                if not self._held_by_all((block_hash, g)):
-                    hashes.append(block_hash)
-                    ids.append(block_id)
-        for g in [g for g, (_, ids) in stores.items() if not ids]:
-            del stores[g]
+            # Whole-list operations, not a loop of calls: a long prefill plans thousands of
+            # blocks per step, and the frontier hands them over as one run.
+            if new[-1] - new[0] + 1 == len(new):
+                first, end = new[0], new[-1] + 1
+                step_hashes = hashes[(first + 1) * per_block - 1:end * per_block:per_block]
+                step_ids = block_ids[first:end]
+            else:
+                step_hashes = [hashes[(i + 1) * per_block - 1] for i in new]
+                step_ids = [block_ids[i] for i in new]
+            if type(step_hashes[0]) is not bytes:  # (vLLM's block hashes are bytes)
+                step_hashes = [bytes(block_hash) for block_hash in step_hashes]
+            # Skip vLLM's null block (freed window blocks) and keys every rank holds.
+            if len(held) == 1:
+                only = held[0]
+                keep = [block_id != NULL_BLOCK_ID and (block_hash, g) not in only
+                        for block_hash, block_id in zip(step_hashes, step_ids)]
+            elif held:
+                keep = [block_id != NULL_BLOCK_ID and
+                        not all((block_hash, g) in rank_held for rank_held in held)
+                        for block_hash, block_id in zip(step_hashes, step_ids)]
+            else:
+                keep = [block_id != NULL_BLOCK_ID for block_id in step_ids]
+            if not all(keep):
+                step_hashes = list(compress(step_hashes, keep))
+                step_ids = list(compress(step_ids, keep))
+            if step_ids:
+                hashes_out, ids_out = stores.setdefault(g, ([], []))
+                hashes_out.extend(step_hashes)
+                ids_out.extend(step_ids)
 
     # --- worker reports and request ends ---
 
