@@ -69,8 +69,9 @@ class OffloadScheduler:
             if spec.block_size % hash_block_size:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
-        # Per rank: where it holds each key (a rank's reset replaces its dict: O(1)).
-        self._held: dict[int, dict[OffloadKey, Location]] = {}
+        # Per rank, per group: block hash -> location code (a rank's reset replaces its dicts).
+        # Dicts of bytes and ints are untracked: full collections skip them (see `KeyView`).
+        self._held: dict[int, dict[int, dict[bytes, int]]] = {}
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
@@ -192,7 +193,6 @@ class OffloadScheduler:
                                for spec in self.specs]
         hashes = request.block_hashes
         num_hashes = len(hashes)
-        held = list(self._held.values()) if len(self._held) >= self.world_size else []
         for g, spec in enumerate(self.specs):
             per_block = spec.block_size // self.hash_block_size
             block_ids = state.block_ids[g] if g < len(state.block_ids) else []
@@ -204,28 +204,18 @@ class OffloadScheduler:
             new = state.frontiers[g].advance(full)
             if not new:
                 continue
-            # Whole-list operations, not a loop of calls: a long prefill plans thousands of
-            # blocks per step, and the frontier hands them over as one run.
-            if new[-1] - new[0] + 1 == len(new):
-                first, end = new[0], new[-1] + 1
-                step_hashes = hashes[(first + 1) * per_block - 1:end * per_block:per_block]
-                step_ids = block_ids[first:end]
-            else:
-                step_hashes = [hashes[(i + 1) * per_block - 1] for i in new]
-                step_ids = [block_ids[i] for i in new]
-            if type(step_hashes[0]) is not bytes:  # (vLLM's block hashes are bytes)
-                step_hashes = [bytes(block_hash) for block_hash in step_hashes]
-            # Skip vLLM's null block (freed window blocks) and keys every rank holds.
-            if len(held) == 1:
-                only = held[0]
-                keep = [block_id != NULL_BLOCK_ID and (block_hash, g) not in only
-                        for block_hash, block_id in zip(step_hashes, step_ids)]
-            elif held:
-                keep = [block_id != NULL_BLOCK_ID and
-                        not all((block_hash, g) in rank_held for rank_held in held)
-                        for block_hash, block_id in zip(step_hashes, step_ids)]
-            else:
-                keep = [block_id != NULL_BLOCK_ID for block_id in step_ids]
+            # Lists, not calls per block (a long prefill plans thousands); one run: slices.
+            lo, hi = new[0], new[-1] + 1
+            run = hi - lo == len(new)
+            step_hashes = hashes[(lo + 1) * per_block - 1:hi * per_block:per_block] if run \
+                else [hashes[(i + 1) * per_block - 1] for i in new]  # (vLLM's are bytes)
+            step_ids = block_ids[lo:hi] if run else [block_ids[i] for i in new]
+            held = self._group_maps(g)  # skip null blocks (freed windows), keys all ranks hold
+            only = held[0] if len(held) == 1 else None
+            keep = [block_id != NULL_BLOCK_ID and (
+                block_hash not in only if only is not None else
+                not (held and all(block_hash in rank_held for rank_held in held)))
+                for block_hash, block_id in zip(step_hashes, step_ids)]
             if not all(keep):
                 step_hashes = list(compress(step_hashes, keep))
                 step_ids = list(compress(step_ids, keep))
@@ -246,10 +236,14 @@ class OffloadScheduler:
             if held is None or report.reset:
                 held = self._held[rank] = {}
             for change in report.changes:
+                block_hash, group = change.key
+                hashes = held.get(group)
+                if hashes is None:
+                    hashes = held[group] = {}
                 if change.location is Location.ABSENT:
-                    held.pop(change.key, None)
+                    hashes.pop(block_hash, None)
                 else:
-                    held[change.key] = change.location
+                    hashes[block_hash] = _CODE[change.location]
         self._forget_reported()
 
     def source_of(self, request_id: str) -> str:
@@ -289,7 +283,8 @@ class OffloadScheduler:
     @property
     def num_keys(self) -> int:
         """Keys some rank holds (tests and tools; O(ranks))."""
-        return len(set().union(*self._held.values())) if self._held else 0
+        return len({(block_hash, group) for held in self._held.values()
+                    for group, hashes in held.items() for block_hash in hashes})
 
     def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
         """This step's metadata when `build_meta` failed: no stores, and every load
@@ -376,23 +371,30 @@ class OffloadScheduler:
         per_block = self.specs[group].block_size // self.hash_block_size
         return bytes(request.block_hashes[(block + 1) * per_block - 1])
 
+    def _group_maps(self, group: int) -> list[dict[bytes, int]]:
+        """Every rank's map of `group` (none until every rank has reported)."""
+        if len(self._held) < self.world_size:
+            return []
+        return [held.get(group, _EMPTY) for held in self._held.values()]
+
     def _held_by_all(self, key: OffloadKey, where: Location | None = None) -> bool:
         """Whether every rank holds `key` (in host memory, if `where` is HOST)."""
-        if len(self._held) < self.world_size:
-            return False
-        for held in self._held.values():
-            location = held.get(key)
-            if location is None or (where is not None and location is not where):
-                return False
-        return True
+        block_hash, group = key
+        codes = [held.get(block_hash) for held in self._group_maps(group)]
+        return bool(codes) and None not in codes and \
+            (where is None or all(code == _CODE[where] for code in codes))
 
     def _is_cached_fn(self, request: Any):
         hashes = request.block_hashes
-        held_by_all = self._held_by_all
         per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
+        held = [self._group_maps(g) for g in range(len(self.specs))]
 
         def is_cached(group: int, block: int) -> bool:
-            index = (block + 1) * per_block[group] - 1
-            return index < len(hashes) and held_by_all((hashes[index], group))
+            index, maps = (block + 1) * per_block[group] - 1, held[group]
+            return index < len(hashes) and bool(maps) and all(hashes[index] in m for m in maps)
 
         return is_cached
+
+
+_EMPTY: dict = {}  # (never written)
+_CODE = {Location.ABSENT: 0, Location.HOST: 1, Location.STORAGE: 2}
