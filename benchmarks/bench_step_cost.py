@@ -45,6 +45,7 @@ from step_cost_engine import SCHEDULER_CALLS, WORKER_CALLS, SimEngine, Workload
 from step_cost_prefill import PrefillCase, plan_prefill
 from step_cost_tier import SyntheticTier
 from vllm import SamplingParams
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
@@ -107,6 +108,8 @@ def run_steps(args) -> dict:
                         forward_s=args.forward_ms / 1e3, block_size=BLOCK)
     engine = SimEngine(workload, len(specs), num_blocks, scheduler, worker, make_request,
                        documents, system_prompts, seed=args.seed)
+    if args.gc_freeze:  # as vLLM does once its engine and workers are up
+        freeze_gc_heap()
     cap = getattr(worker_side, "REPORT_MAX_KEYS", None)
     records, reported, stream_end = [], 0, None
     started = time.monotonic()
@@ -122,13 +125,14 @@ def run_steps(args) -> dict:
                     record.step + 1 >= max(stream_end, args.warmup_steps) + args.steady_steps:
                 break
     finally:
+        engine.gc.close()
         worker.shutdown()
     wall = time.monotonic() - started
     first, steady = records[:stream_end], records[-args.steady_steps:]
     return {
         "model": args.model, "keys": args.keys, "requests": args.requests,
         "forward_ms": args.forward_ms, "batched_tokens": args.batched_tokens,
-        "report_cap": cap, "steps": len(records), "wall_s": wall,
+        "report_cap": cap, "steps": len(records), "wall_s": wall, "gc_freeze": args.gc_freeze,
         "tier": dict(tier.counts),
         "first_steps": phase_summary(first),
         "steady_state": phase_summary(steady),
@@ -148,6 +152,9 @@ def phase_summary(records) -> dict:
     summary["calls_cpu"] = {name: stats_ms([r.cpu_ns.get(name, 0) for r in records])
                             for name in SCHEDULER_CALLS + WORKER_CALLS}
     summary["report_keys"] = stats([r.report_keys for r in records])
+    summary["gc"] = {"pause_per_step": stats_ms([r.gc_ns for r in records]),
+                     "pause_cpu_per_step": stats_ms([r.gc_cpu_ns for r in records]),
+                     "full_collections": sum(r.gc_full for r in records)}
     for name in ("scheduled_tokens", "stored_blocks", "loads", "lookups"):
         summary[name] = float(np.mean([getattr(r, name) for r in records]))
     return summary
@@ -208,7 +215,12 @@ def print_steps(result: dict) -> None:
         print(f"  {phase}: report keys p50 {summary['report_keys']['p50']:.0f} max "
               f"{summary['report_keys']['max']:.0f}; per step: {summary['lookups']:.1f} "
               f"lookups, {summary['loads']:.2f} loads, {summary['stored_blocks']:.0f} blocks "
-              f"stored, {summary['scheduled_tokens']:.0f} tokens")
+              f"stored, {summary['scheduled_tokens']:.0f} tokens; garbage collector: "
+              f"{summary['gc']['full_collections']} full collections, pauses "
+              f"{summary['gc']['pause_per_step']['sum']:.0f} ms in all (cpu "
+              f"{summary['gc']['pause_cpu_per_step']['sum']:.0f}), at most "
+              f"{summary['gc']['pause_per_step']['max']:.0f} ms in one step (cpu "
+              f"{summary['gc']['pause_cpu_per_step']['max']:.0f})")
 
 
 def print_calls(result: dict) -> None:
@@ -317,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="do not freeze the start-up heap (vLLM's engine and GPU workers "
+                        "do, so the collector skips it)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     child_argv = _without(argv, ("--json", "--before", "--after"))

@@ -25,6 +25,7 @@ token budget, then decodes, then ends and is replaced by a new arrival.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 import time
@@ -65,6 +66,9 @@ class StepRecord:
     stored_blocks: int
     loads: int
     lookups: int
+    gc_ns: int = 0  # garbage-collector pauses during the step (any thread: they hold the GIL)
+    gc_cpu_ns: int = 0  # the CPU time of those collections
+    gc_full: int = 0  # of which full (generation 2) collections
 
     def side_ns(self, calls: tuple[str, ...], cpu: bool = False) -> int:
         ns = self.cpu_ns if cpu else self.ns
@@ -107,6 +111,7 @@ class SimEngine:
         self._requests: dict[str, _SimRequest] = {}
         self._next_id = 0
         self._step = 0
+        self.gc = GcWatch()
         for _ in range(workload.num_requests):
             self._arrive()
 
@@ -133,6 +138,10 @@ class SimEngine:
                             output.total_num_scheduled_tokens,
                             sum(len(ids) for _, ids in meta.stores.values()), len(meta.loads),
                             timing.lookups)
+        pauses = self.gc.take()
+        record.gc_ns = sum(pause.ns for pause in pauses)
+        record.gc_cpu_ns = sum(pause.cpu_ns for pause in pauses)
+        record.gc_full = sum(1 for pause in pauses if pause.generation == 2)
         self._step += 1
         return record
 
@@ -259,6 +268,37 @@ class SimEngine:
         self._requests[req_id] = _SimRequest(self.make_request(req_id, prompt),
                                              rng.randint(*workload.decode_tokens),
                                              [[] for _ in groups], [[] for _ in groups])
+
+
+@dataclass(frozen=True)
+class GcPause:
+    generation: int
+    ns: int  # wall-clock
+    cpu_ns: int  # CPU time of the thread that collected
+
+
+class GcWatch:
+    """Pauses of Python's garbage collector since the last `take`. A collection holds the
+    GIL, so it stalls the engine thread whichever thread runs it."""
+
+    def __init__(self) -> None:
+        self._pauses: list[GcPause] = []
+        self._start = self._start_cpu = 0
+        gc.callbacks.append(self._callback)
+
+    def take(self) -> list[GcPause]:
+        pauses, self._pauses = self._pauses, []
+        return pauses
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start, self._start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        else:
+            self._pauses.append(GcPause(info["generation"], time.perf_counter_ns() - self._start,
+                                        time.thread_time_ns() - self._start_cpu))
 
 
 def _timed(timing: _Step, name: str, fn, *args):

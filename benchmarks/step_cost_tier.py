@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -25,26 +25,22 @@ from step_cost_compat import StorageTier, TierChanges, TierJobResult, TierStats
 
 
 class SyntheticTier(StorageTier):
-    """A full tier of `len(inventory)` keys, indexed in memory; reads and writes complete
-    at once (their results wait for `poll`)."""
+    """A full tier of `len(inventory)` keys, indexed in memory. A write updates the index
+    at once; a read fills its buffers at the next `poll`."""
 
     def __init__(self, inventory: Sequence[bytes], *, page_bytes: int,
                  capacity: int | None = None) -> None:
         self.page_bytes = page_bytes
         self.capacity = capacity or len(inventory)
         self._lock = threading.Lock()  # the pump, the engine thread and keys() may overlap
-        self._index: dict[bytes, None] = dict.fromkeys(inventory)  # order = eviction order
-        self._unlisted = list(self._index)  # the inventory the change feed has not sent
+        self._index: OrderedDict[bytes, None] = OrderedDict.fromkeys(inventory)  # FIFO
+        self._unlisted = tuple(self._index)  # the inventory, sent from `_cursor` on
         self._cursor = 0
         self._changes: dict[bytes, bool] = {}  # since the last take: key -> added (latest wins)
         self._results: list[TierJobResult] = []
+        self._reads: list[tuple] = []  # (job id, keys, buffers, held): filled at `poll`
         self._ids = itertools.count(1)
         self.counts: Counter[str] = Counter()
-
-    @property
-    def inventory_sent(self) -> bool:
-        """Whether the change feed has handed out the whole initial inventory."""
-        return self._cursor >= len(self._unlisted)
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -56,27 +52,36 @@ class SyntheticTier(StorageTier):
                 if key in self._index:
                     continue
                 if len(self._index) >= self.capacity:  # full: the oldest key goes
-                    evicted = next(iter(self._index))
-                    del self._index[evicted]
+                    evicted, _ = self._index.popitem(last=False)
                     self._changes[evicted] = False
                     self.counts["evicted"] += 1
                 self._index[key] = None
                 self._changes[key] = True
             self.counts["written"] += len(keys)
-            return self._finish(keys, [True] * len(keys))
+            job_id = next(self._ids)
+            self._results.append(TierJobResult(job_id, tuple(keys), (True,) * len(keys)))
+            return job_id
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        """The buffers are filled by the next `poll` (the pump thread), as a real tier's
+        I/O threads would, not on the engine thread."""
         with self._lock:
-            ok = [key in self._index for key in keys]
-        for key, buffer, held in zip(keys, buffers, ok):
-            if held:  # bytes are not kept: a pattern stands in for them
-                buffer.fill_(key[-1] % 127)
-        with self._lock:
-            self.counts["read"] += sum(ok)
-            return self._finish(keys, ok)
+            job_id = next(self._ids)
+            self._reads.append((job_id, tuple(keys), buffers,
+                                tuple(key in self._index for key in keys)))
+            return job_id
 
     def poll(self) -> list[TierJobResult]:
         with self._lock:
+            reads, self._reads = self._reads, []
+        for _, keys, buffers, ok in reads:
+            for key, buffer, held in zip(keys, buffers, ok):
+                if held:  # bytes are not kept: a pattern stands in for them
+                    buffer.fill_(key[-1] % 127)
+        with self._lock:
+            for job_id, keys, _, ok in reads:
+                self.counts["read"] += sum(ok)
+                self._results.append(TierJobResult(job_id, keys, ok))
             done, self._results = self._results, []
             return done
 
@@ -107,9 +112,3 @@ class SyntheticTier(StorageTier):
         held = len(self._index)
         return TierStats(keys=held, bytes_used=held * self.page_bytes,
                          bytes_budget=self.capacity * self.page_bytes)
-
-    def _finish(self, keys: Sequence[bytes], ok: Sequence[bool]) -> int:
-        """Lock held: queue a finished job's result."""
-        job_id = next(self._ids)
-        self._results.append(TierJobResult(job_id, tuple(keys), tuple(ok)))
-        return job_id
