@@ -57,3 +57,7 @@ class EvictionPolicyError(ConfigError):
 
 class TransferError(KVOffloadError, ValueError):
     """A copy request with bad block or slot ids, or for a backend that cannot take it."""
+
+
+class CudaCallError(KVOffloadError, RuntimeError):
+    """A CUDA runtime call made by the copier failed (the job fails; the engine recomputes)."""

@@ -114,6 +114,11 @@ class OffloadManager:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def num_evictable(self) -> int:
+        """Ready keys that a store could evict now (not pinned, not being written)."""
+        return self._num_evictable
+
     def __len__(self) -> int:
         """Keys that are READY or STORING (visible ones)."""
         return sum(1 for e in self._entries.values() if not e.dropped)

@@ -35,6 +35,7 @@ from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
+from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key, storage_key
 from kv_offload.manager import OffloadManager
 from kv_offload.tiering_jobs import (
@@ -48,8 +49,10 @@ from kv_offload.tiering_jobs import (
     targets_of,
     transfers,
 )
+from kv_offload.tiering_loads import LoadPipeline
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
+ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
 FILE_FORMAT_VERSION = 2  # bump when stored bytes or keys change meaning (joins the fingerprint)
 
 
@@ -63,7 +66,7 @@ def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
         repr((FILE_FORMAT_VERSION, canonical.layout_signature(), layers, extra)).encode())
 
 
-class TieredStore:
+class TieredStore(LoadPipeline):
     """Host slots (with their manager) in front of an optional `StorageTier`."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
@@ -108,7 +111,7 @@ class TieredStore:
 
     def take_changes(self, max_keys: int) -> KeyChanges:
         """Keys whose location changed since the last call, at most `max_keys` (O(changes))."""
-        self._absorb_changes(max_keys)
+        self._absorb_host_events()
         return self.view.take(max_keys)
 
     def usage(self) -> TierUsage:
@@ -126,37 +129,51 @@ class TieredStore:
 
     # --- jobs ---
 
-    def submit_store(self, requests: GroupBlocks) -> int:
+    def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
-        skipped; when no room can be made the store is skipped (`no_room`)."""
+        skipped. When the host tier cannot make room for all of them (slots pinned by
+        loads and write-throughs in flight), the leading keys that fit are stored (the
+        start of a prefix is worth the most) and the rest are `skipped`. On a GPU the copy
+        waits for `ready` (an event on the engine's stream after the forward that wrote the
+        blocks; `CpuBackend.engine_ready()`), so the CPU never waits for the forward."""
         job_id = self._new_job()
         targets: dict[OffloadKey, list[int]] = {}
         try:
             targets = targets_of(requests)
-            plan = self.manager.prepare_store(list(targets))
+            keys = list(targets)
+            plan = self.manager.prepare_store(keys)
+            if plan is None:  # store the leading keys that fit
+                keys = keys[:self.manager.num_free_slots + self.manager.num_evictable]
+                plan = self.manager.prepare_store(keys) if keys else None
+            while plan is None and len(keys) > 1:
+                keys = keys[:len(keys) // 2]
+                plan = self.manager.prepare_store(keys)
         except Exception as exc:  # e.g. a plug-in eviction policy: skip this store
             self.faults.failed("store planning", exc)
             self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
             return job_id
-        if plan is None:
-            self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets),
-                                      no_room=True))
-        elif not plan.keys:
-            self._finish(TieredResult(job_id, Direction.STORE, True))
+        kept = set(keys) if plan is not None else set()
+        skipped = {k: blocks for k, blocks in targets.items() if k not in kept}
+        if plan is None or not plan.keys:
+            self._finish(TieredResult(job_id, Direction.STORE, not skipped,
+                                      blocks_of(skipped), skipped=len(skipped)))
         else:  # a key listed twice is stored once, from its first block
             firsts = {k: targets[k][:1] for k in plan.keys}
             try:
-                self._submit_cpu(Store(job_id, plan.keys, targets), Direction.STORE,
-                                 transfers(plan.keys, plan.slots, firsts))
+                self._submit_cpu(Store(job_id, plan.keys, targets, skipped), Direction.STORE,
+                                 transfers(plan.keys, plan.slots, firsts), ready)
             except Exception as exc:  # e.g. the host tier is closing
                 self.faults.failed("store submit", exc)
                 self.manager.complete_store(list(plan.keys), False)
                 self._finish(TieredResult(job_id, Direction.STORE, False, blocks_of(targets)))
         return job_id
 
-    def submit_load(self, requests: GroupBlocks) -> int:
-        """Fill engine blocks from host slots, reading storage-only keys into slots first."""
-        load = Load(self._new_job(), {}, time.monotonic())
+    def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+        """Fill engine blocks from host slots, reading storage-only keys into slots first.
+        On a GPU every copy into the engine waits for `ready` (recorded on the engine's
+        stream when the load was planned: it orders them after vLLM's own work on those
+        blocks, even for pieces submitted later from another thread)."""
+        load = Load(self._new_job(), {}, time.monotonic(), ready=ready)
         try:
             load.targets = targets_of(requests)
             keys = list(load.targets)
@@ -194,6 +211,7 @@ class TieredStore:
                     self._guarded("storage results", lambda r=record, t=result:
                                   self._storage_done(r, t.succeeded), None, fail=record)
         self._guarded("staging", self._advance_staged, None)
+        self._guarded("storage change feed", self._absorb_storage_changes, None)
         done, self._done = self._done, []
         return done
 
@@ -240,130 +258,15 @@ class TieredStore:
         if self.storage is not None:
             self.storage.close()
 
-    # --- internals: loads ---
-
-    def _copy_to_engine(self, load: Load, keys: list[OffloadKey]) -> None:
-        """Pin ready host keys and copy them into the load's engine blocks."""
-        if not keys or load.closed:
-            return
-        slots = self.manager.prepare_load(keys)
-        try:
-            self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets))
-        except Exception:
-            self.manager.complete_load(keys)
-            raise
-        load.pending += 1
-
-    def _stage(self, load: Load) -> None:
-        """Start reading the load's waiting storage keys, a batch at a time, as host room
-        allows; a load that cannot get room before its deadline fails those keys."""
-        while load.waiting and not load.closed:
-            room = self.staging_slots - sum(len(r.keys) for r in load.reads)
-            if room <= 0:  # the batches in flight free their slots as they reach the engine
-                break
-            batch = load.waiting[:room]
-            plan = self.manager.prepare_store(batch)
-            while plan is None and len(batch) > 1:  # take what room there is
-                batch = batch[:len(batch) // 2]
-                plan = self.manager.prepare_store(batch)
-            if plan is None:  # no room now: retried at every poll until the deadline
-                self._staged[load.job_id] = load
-                if time.monotonic() - load.started > self.read_timeout_s:
-                    self.faults.failed("staging", "no host room for a load before its deadline")
-                    load.failed += load.waiting
-                    load.waiting = []
-                break
-            del load.waiting[:len(batch)]
-            ready = [k for k in plan.already_present if self.manager.is_ready(k)]
-            load.failed += [k for k in plan.already_present if not self.manager.is_ready(k)]
-            self._copy_to_engine(load, ready)
-            if plan.keys:
-                self._submit_read(load, plan.keys, plan.slots)
-        if not load.waiting or load.closed:
-            self._staged.pop(load.job_id, None)
-
-    def _submit_read(self, load: Load, keys, slots) -> None:
-        read = Read(load, tuple(keys), self._generation, time.monotonic())
-        try:
-            buffers = [self.cpu.slot_buffer(slot, key[1]) for key, slot in zip(keys, slots)]
-            job = self.storage.submit_read([storage_key(k, self._generation) for k in keys],
-                                           buffers)
-        except Exception as exc:
-            self.faults.failed("storage read", exc)
-            self.manager.complete_store(list(keys), False)
-            load.failed += keys
-            return
-        load.reads.append(read)
-        load.pending += 1
-        self._storage_jobs[job] = read
-
-    def _read_done(self, read: Read, succeeded: Sequence[bool]) -> None:
-        load = read.load
-        if not read.given_up:  # first: a fault below must not leave the load pending
-            load.reads.remove(read)
-            load.pending -= 1
-        ok = [k for k, good in zip(read.keys, succeeded) if good]
-        bad = [k for k, good in zip(read.keys, succeeded) if not good]
-        self.manager.complete_store(bad, False)
-        self.manager.complete_store(ok, True)
-        self._key_failures["read"] += len(bad)
-        if read.generation == self._generation:
-            self.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
-        if read.given_up:  # the load went on without it: its bytes just stay in host slots
-            return
-        loaded = [k for k in ok if self.manager.is_ready(k)]  # a reset may have dropped some
-        load.failed += bad + [k for k in ok if not self.manager.is_ready(k)]
-        load.from_storage += len(loaded)
-        self._copy_to_engine(load, loaded)
-        self._stage(load)
-        self._finish_load_if_done(load)
-
-    def _load_copied(self, load: Load, keys: list[OffloadKey], success: bool) -> None:
-        load.pending -= 1  # first: a fault below must not leave the load pending
-        if not success:
-            load.failed += keys
-        self.manager.complete_load(keys)
-        self._stage(load)
-        self._finish_load_if_done(load)
-
-    def _advance_staged(self) -> None:
-        now = time.monotonic()
-        for load in list(self._staged.values()):
-            self._stage(load)
-            self._finish_load_if_done(load)
-        for record in list(self._storage_jobs.values()):
-            if isinstance(record, Read) and not record.given_up and \
-                    now - record.started > self.read_timeout_s:
-                self.faults.failed("storage read", "a read passed its deadline")
-                record.given_up = True  # its slots stay reserved until the tier answers
-                load = record.load
-                load.reads.remove(record)
-                load.pending -= 1
-                load.failed += record.keys
-                self._stage(load)
-                self._finish_load_if_done(load)
-
-    def _fail_load(self, load: Load) -> None:
-        load.closed = True
-        load.failed = list(load.targets)
-        self._staged.pop(load.job_id, None)
-
-    def _finish_load_if_done(self, load: Load) -> None:
-        """Deliver the load's result once nothing of it is in flight: even a load that
-        failed whole waits for its copies, so vLLM never reuses blocks we still write."""
-        if load.pending or (load.waiting and not load.closed):
-            return
-        failed = blocks_of({k: load.targets[k] for k in dict.fromkeys(load.failed)})
-        self._finish(TieredResult(load.job_id, Direction.LOAD, not failed and not load.closed,
-                                  failed, load.from_storage))
-
     # --- internals: stores ---
 
     def _store_copied(self, store: Store, success: bool) -> None:
         success = success and not store.abandoned
         self.manager.complete_store(list(store.keys), success)
-        failed = {} if success else blocks_of({k: store.targets[k] for k in store.keys})
-        self._finish(TieredResult(store.job_id, Direction.STORE, success, failed))
+        failed = dict(store.skipped) if success else \
+            {**store.skipped, **{k: store.targets[k] for k in store.keys}}
+        self._finish(TieredResult(store.job_id, Direction.STORE, not failed, blocks_of(failed),
+                                  skipped=len(store.skipped)))
         if not success or self.storage is None:
             return
         todo = [k for k in store.keys
@@ -406,8 +309,9 @@ class TieredStore:
             self._open.discard(result.job_id)
             self._done.append(result)
 
-    def _submit_cpu(self, record, direction: Direction, moves) -> None:
-        self._cpu_jobs[self.cpu.submit(direction, moves)] = record
+    def _submit_cpu(self, record, direction: Direction, moves,
+                    ready: EngineReady | None = None) -> None:
+        self._cpu_jobs[self.cpu.submit(direction, moves, ready)] = record
 
     def _host_copied(self, record, success: bool) -> None:
         if isinstance(record, Store):
@@ -421,21 +325,23 @@ class TieredStore:
         else:
             self._write_done(record, succeeded)
 
-    def _absorb_changes(self, max_keys: int) -> None:
-        """Host events and the storage tier's change feed (bounded) into the view."""
+    def _absorb_host_events(self) -> None:
         for event in self.manager.take_events():
             (self.view.host_added if event.kind == "stored" else
              self.view.host_removed)(event.keys)
+
+    def _absorb_storage_changes(self) -> None:
+        """Take a bounded batch of the storage tier's change feed into the view (each
+        poll: a start-up inventory of a million keys streams in over a few seconds
+        without holding the caller's lock for long)."""
         if self.storage is None:
             return
-        changes = self._guarded("storage change feed",
-                                lambda: self.storage.take_changes(max_keys), None)
-        if changes is not None:
-            generation = self._generation
-            added = (offload_key(k, generation) for k in changes.added)
-            removed = (offload_key(k, generation) for k in changes.removed)
-            self.view.storage_added([k for k in added if k is not None])
-            self.view.storage_removed([k for k in removed if k is not None])
+        changes = self.storage.take_changes(ABSORB_PER_POLL)
+        generation = self._generation
+        added = (offload_key(k, generation) for k in changes.added)
+        removed = (offload_key(k, generation) for k in changes.removed)
+        self.view.storage_added([k for k in added if k is not None])
+        self.view.storage_removed([k for k in removed if k is not None])
 
     def _guarded(self, where: str, fn: Callable, default, *, fail=None):
         """Run one step of the pipeline; a fault is contained: counted, logged once per

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_offload.backends.base import TierStats
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
@@ -25,7 +26,7 @@ class TieredResult:
     success: bool
     failed: dict[int, list[int]] = field(default_factory=dict)
     from_storage: int = 0  # load: keys read from the storage tier (the rest came from host)
-    no_room: bool = False  # store: skipped whole, the host tier could not make room
+    skipped: int = 0  # store: keys not stored, the host tier had no room for them
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Store:
     job_id: int
     keys: tuple[OffloadKey, ...]
     targets: dict[OffloadKey, list[int]]  # key -> engine block ids
+    skipped: dict[OffloadKey, list[int]] = field(default_factory=dict)  # no host room for them
     abandoned: bool = False  # the engine may have overwritten the blocks mid-copy
 
 
@@ -60,6 +62,7 @@ class Load:
     pending: int = 0  # host copies and reads in flight
     from_storage: int = 0
     closed: bool = False  # failed whole: pieces still in flight only release resources
+    ready: Any = None  # GPU: the engine-stream event its copies into the engine wait for
 
 
 @dataclass

@@ -76,7 +76,6 @@ class OffloadWorker:
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
         self.faults = FaultLog(f"kv-offload rank {rank}")
-        self._on_cuda = False
         self._reflected_step = -1
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
@@ -91,7 +90,6 @@ class OffloadWorker:
         """Canonicalise the engine's caches and open the tiers (errors here are start-up
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
-        self._on_cuda = any(t.tensor.is_cuda for t in self.canonical.tensors)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
         self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
         self._pump = threading.Thread(target=self._run_pump, daemon=True,
@@ -125,9 +123,12 @@ class OffloadWorker:
         """Start this step's loads; `failed`: loads the scheduler could not plan."""
         with self._lock:
             self._failed_now.update(failed)
+            # GPU: one event on the engine's stream orders every copy of these loads after
+            # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
+            ready = self.store.cpu.engine_ready() if loads else None
             for request_id, blocks in loads.items():
                 try:
-                    job_id = self.store.submit_load(blocks)
+                    job_id = self.store.submit_load(blocks, ready)
                     self._jobs[job_id] = self._job(request_id, blocks)
                 except Exception as exc:
                     self.faults.failed("load submit", exc)
@@ -144,12 +145,10 @@ class OffloadWorker:
         if not stores:
             return
         try:
-            if self._on_cuda:
-                # The copies run on our own streams, from our threads: let the forward that
-                # wrote these blocks finish first (vLLM syncs at the step's end anyway).
-                torch.cuda.current_stream().synchronize()
             with self._lock:
-                job_id = self.store.submit_store(stores)
+                # GPU: our copy stream waits on an event recorded on the engine's stream
+                # after the forward that wrote these blocks; the CPU does not wait.
+                job_id = self.store.submit_store(stores, self.store.cpu.engine_ready())
                 self._jobs[job_id] = self._job(None, stores)
                 self._lock.notify_all()
         except Exception as exc:
@@ -171,11 +170,13 @@ class OffloadWorker:
                     failed.add(job.request_id)
                 self._stats.record_load(job.num_blocks, job.num_bytes, outcome.seconds,
                                         failed_blocks)
-            elif result.no_room:
-                self._stats.record_store(0, 0, 0.0, skipped_blocks=job.num_blocks)
             else:
-                self._stats.record_store(job.num_blocks, job.num_bytes, outcome.seconds,
-                                         failed_blocks)
+                # (`skipped` counts keys: the same as blocks unless a key was listed twice)
+                skipped = min(job.num_blocks, result.skipped)
+                stored = job.num_blocks - skipped
+                self._stats.record_store(stored, job.num_bytes * stored // max(1, job.num_blocks),
+                                         outcome.seconds, max(0, failed_blocks - skipped),
+                                         skipped_blocks=skipped)
         return finished, failed
 
     def report(self) -> KVOffloadWorkerMetadata:

@@ -35,7 +35,8 @@ def test_injected_faults_everywhere_leave_outputs_identical(tiny_models, tmp_pat
     # (bf16 decode results depend on the batch shape).
     serial = {"max_num_seqs": 1}
     baseline = run_engine(spec(model, [{}], engine_args=serial), tmp_path / "baseline")
-    config = connector_config(tmp_path / "kv", cpu_bytes="128KiB")  # 8 blocks: evictions, staged loads
+    # 8 blocks of host tier: evictions, and loads staged through it
+    config = connector_config(tmp_path / "kv", cpu_bytes="128KiB")
     config.update(kv_connector="FaultyKVOffloadConnector",
                   kv_connector_module_path="faulty_connector")
     config["kv_connector_extra_config"]["eviction_policy"] = "faulty_connector:RaisingPolicy"

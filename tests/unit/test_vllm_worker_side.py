@@ -260,15 +260,17 @@ def test_host_eviction_is_reported(workers):
     assert wait_loads(worker, {"evicted", "kept"})[1] == {"evicted"}
 
 
-def test_a_store_without_room_counts_as_skipped(workers):
+def test_a_store_larger_than_the_room_stores_its_leading_blocks_and_skips_the_rest(workers):
     engine = Engine()
     worker = small_host_worker(engine, slots=2)
     workers.append(worker)
-    store(worker, {0: ([block_hash(i) for i in range(3)], [1, 2, 3])})  # 3 blocks, 2 slots
-    assert changes(worker) == {}  # nothing was stored
+    hashes = [block_hash(i) for i in range(3)]
+    store(worker, {0: (hashes, [1, 2, 3])})  # 3 blocks, 2 slots
+    assert changes(worker) == {(h, 0): IN_HOST for h in hashes[:2]}
     worker.finished_loads()
     stats = worker.take_stats()
-    assert stats.count("store_skipped_blocks") == 3
+    assert stats.count("store_blocks") == 2
+    assert stats.count("store_skipped_blocks") == 1
     assert stats.count("store_failed_blocks") == 0
 
 

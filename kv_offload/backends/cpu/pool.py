@@ -6,6 +6,7 @@ import torch
 
 from kv_offload.errors import ConfigError
 from kv_offload.kernels.geometry import HostSlotLayout
+from kv_offload.kernels.runtime import CudaRuntime
 
 PAGE_BYTES = 4096  # O_DIRECT alignment
 
@@ -16,14 +17,15 @@ def cuda_present() -> bool:
 
 
 def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
-                  pin: bool | None = None) -> torch.Tensor:
+                  pin: bool | None = None, runtime: CudaRuntime | None = None) -> torch.Tensor:
     """An int8 `(num_slots, slot_bytes)` tensor using at most `cpu_bytes_to_use` bytes.
 
     Pinned (page-locked, so the GPU can DMA it and kernels can address it)
     when CUDA is present, unless `pin` says otherwise; plain memory otherwise.
     The memory is not touched here: the OS commits pages on first write. The pool
     starts on a page boundary (pinned memory always does) so the disk tier can read
-    and write slots with O_DIRECT."""
+    and write slots with O_DIRECT. A given CUDA `runtime` allocates the pinned memory
+    (the tests' host executor stands in for the GPU that way)."""
     if isinstance(cpu_bytes_to_use, bool) or not isinstance(cpu_bytes_to_use, int):
         raise ConfigError(f"cpu_bytes_to_use must be an int (bytes), got {cpu_bytes_to_use!r}")
     if layout.slot_bytes <= 0:
@@ -35,6 +37,9 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
             f"({layout.slot_bytes} bytes = one block of the largest cache group); "
             f"expected at least {layout.slot_bytes}"
         )
+    if runtime is not None:
+        return runtime.pinned_empty(num_slots * layout.slot_bytes).view(torch.int8).view(
+            num_slots, layout.slot_bytes)
     pin = cuda_present() if pin is None else pin
     if pin and not cuda_present():
         raise ConfigError("pinned host memory was asked for, but CUDA is not available")
