@@ -63,7 +63,7 @@ class KeyView:
     def __init__(self) -> None:
         self._host: dict[int, dict[bytes | int, None]] = {}
         self._storage: dict[int, dict[bytes | int, None]] = {}
-        self._reported: dict[int, dict[bytes | int, int]] = {}  # hash -> _CODE of location
+        self._reported: dict[int, dict[bytes | int, int]] = {}  # hash -> location code
         self._dirty: dict[OffloadKey, None] = {}  # drained by `take`: small in steady state
         self._reset = False
 
@@ -99,20 +99,20 @@ class KeyView:
     def take(self, max_keys: int) -> KeyChanges:
         """Up to `max_keys` keys whose location differs from what was last reported."""
         changes = []
-        dirty, reported = self._dirty, self._reported
-        location = self.location
+        dirty, reported, host, storage = self._dirty, self._reported, self._host, self._storage
         while dirty and len(changes) < max_keys:
             key, _ = dirty.popitem()
-            now = location(key)
             block_hash, group = key
+            # (int codes, not Location members: an Enum member hashes in Python code)
+            code = _HOST if block_hash in host.get(group, _EMPTY) else \
+                _STORAGE if block_hash in storage.get(group, _EMPTY) else _ABSENT
             group_reported = reported.get(group)
             if group_reported is None:
                 group_reported = reported[group] = {}
-            code = _CODE[now]
-            if group_reported.get(block_hash, _ABSENT_CODE) == code:
+            if group_reported.get(block_hash, _ABSENT) == code:
                 continue
-            changes.append(KeyChange(key, now))
-            if code == _ABSENT_CODE:
+            changes.append(KeyChange(key, _LOCATIONS[code]))
+            if code == _ABSENT:
                 del group_reported[block_hash]
             else:
                 group_reported[block_hash] = code
@@ -144,5 +144,5 @@ class KeyView:
 
 
 _EMPTY: dict = {}  # (never written: `pop` on it finds nothing)
-_CODE = {Location.ABSENT: 0, Location.HOST: 1, Location.STORAGE: 2}
-_ABSENT_CODE = _CODE[Location.ABSENT]
+_ABSENT, _HOST, _STORAGE = 0, 1, 2  # location codes
+_LOCATIONS = (Location.ABSENT, Location.HOST, Location.STORAGE)  # by code
