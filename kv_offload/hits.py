@@ -205,6 +205,11 @@ class StoreFrontier:
         self.frontier = 0
         self._decided: set[int] = set()  # decided blocks at or above the frontier
 
+    @property
+    def next_hit_point(self) -> int:
+        """Full blocks the request must reach before `advance` can return anything."""
+        return self._next_hit_point
+
     def advance(self, num_blocks: int) -> list[int]:
         """Blocks newly worth storing now that the request has `num_blocks` full blocks."""
         if not isinstance(num_blocks, int) or num_blocks < 0:

@@ -28,6 +28,7 @@ from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import Location, OffloadKey
 from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
+from kv_offload.vllm.rank_keys import RankKeys
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
@@ -38,6 +39,7 @@ class _Request:
     request: Any  # vllm Request: its block_hashes grow as tokens arrive
     block_ids: list[list[int]] = field(default_factory=list)
     frontiers: list[StoreFrontier] = field(default_factory=list)  # per group: store decisions
+    next_store_tokens: int = 0  # computed tokens before any group can have more to store
     wait_until_step: int = -1  # its lookup waits until every rank reflects this step
     waiting_since: float | None = None
     stores_off: bool = False  # its block table may be wrong (a step was missed): never store
@@ -69,9 +71,7 @@ class OffloadScheduler:
             if spec.block_size % hash_block_size:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
-        # Per rank, per group: block hash -> location code (a rank's reset replaces its dicts).
-        # Dicts of bytes and ints are untracked: full collections skip them (see `KeyView`).
-        self._held: dict[int, dict[int, dict[bytes, int]]] = {}
+        self._keys = RankKeys(world_size)  # where each rank holds each key
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
@@ -92,7 +92,7 @@ class OffloadScheduler:
     def ready(self) -> bool:
         """Every rank has reported (until then a lookup is asked again), or the workers
         took longer than `MAX_REPORT_WAIT_S`: then lookups go on with what is known."""
-        return len(self._held) >= self.world_size or \
+        return self._keys.complete or \
             time.monotonic() - self._created > MAX_REPORT_WAIT_S
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -186,8 +186,8 @@ class OffloadScheduler:
         """Add the blocks of this request that became worth storing (linear over the
         request's life: each group's `StoreFrontier` decides each block once)."""
         request = state.request
-        if state.stores_off:
-            return
+        if state.stores_off or computed_tokens < state.next_store_tokens:
+            return  # (most decode steps: O(1))
         if not state.frontiers:
             state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)
                                for spec in self.specs]
@@ -210,7 +210,7 @@ class OffloadScheduler:
             step_hashes = hashes[(lo + 1) * per_block - 1:hi * per_block:per_block] if run \
                 else [hashes[(i + 1) * per_block - 1] for i in new]  # (vLLM's are bytes)
             step_ids = block_ids[lo:hi] if run else [block_ids[i] for i in new]
-            held = self._group_maps(g)  # skip null blocks (freed windows), keys all ranks hold
+            held = self._keys.group_maps(g)  # skip null blocks, keys every rank holds
             only = held[0] if len(held) == 1 else None
             keep = [block_id != NULL_BLOCK_ID and (
                 block_hash not in only if only is not None else
@@ -223,6 +223,8 @@ class OffloadScheduler:
                 hashes_out, ids_out = stores.setdefault(g, ([], []))
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
+        state.next_store_tokens = min(frontier.next_hit_point * spec.block_size
+                                      for frontier, spec in zip(state.frontiers, self.specs))
 
     # --- worker reports and request ends ---
 
@@ -232,25 +234,14 @@ class OffloadScheduler:
             return
         for rank, report in meta.reports.items():
             self._reflected_by_rank[rank] = report.reflected_step
-            held = self._held.get(rank)
-            if held is None or report.reset:
-                held = self._held[rank] = {}
-            for change in report.changes:
-                block_hash, group = change.key
-                hashes = held.get(group)
-                if hashes is None:
-                    hashes = held[group] = {}
-                if change.location is Location.ABSENT:
-                    hashes.pop(block_hash, None)
-                else:
-                    hashes[block_hash] = _CODE[change.location]
+            self._keys.apply(rank, report.changes, report.reset)
         self._forget_reported()
 
     def source_of(self, request_id: str) -> str:
         """'host' when every block of the request's planned load is in every rank's host
         memory, else 'disk' (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
-        on_host = all(self._held_by_all((block_hash, g), Location.HOST)
+        on_host = all(self._keys.held_by_all((block_hash, g), Location.HOST)
                       for g, (hashes, _) in plan.items() for block_hash in hashes)
         return "host" if on_host else "disk"
 
@@ -283,8 +274,7 @@ class OffloadScheduler:
     @property
     def num_keys(self) -> int:
         """Keys some rank holds (tests and tools; O(ranks))."""
-        return len({(block_hash, group) for held in self._held.values()
-                    for group, hashes in held.items() for block_hash in hashes})
+        return self._keys.num_keys
 
     def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
         """This step's metadata when `build_meta` failed: no stores, and every load
@@ -371,23 +361,10 @@ class OffloadScheduler:
         per_block = self.specs[group].block_size // self.hash_block_size
         return bytes(request.block_hashes[(block + 1) * per_block - 1])
 
-    def _group_maps(self, group: int) -> list[dict[bytes, int]]:
-        """Every rank's map of `group` (none until every rank has reported)."""
-        if len(self._held) < self.world_size:
-            return []
-        return [held.get(group, _EMPTY) for held in self._held.values()]
-
-    def _held_by_all(self, key: OffloadKey, where: Location | None = None) -> bool:
-        """Whether every rank holds `key` (in host memory, if `where` is HOST)."""
-        block_hash, group = key
-        codes = [held.get(block_hash) for held in self._group_maps(group)]
-        return bool(codes) and None not in codes and \
-            (where is None or all(code == _CODE[where] for code in codes))
-
     def _is_cached_fn(self, request: Any):
         hashes = request.block_hashes
         per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
-        held = [self._group_maps(g) for g in range(len(self.specs))]
+        held = [self._keys.group_maps(g) for g in range(len(self.specs))]
 
         def is_cached(group: int, block: int) -> bool:
             index, maps = (block + 1) * per_block[group] - 1, held[group]
@@ -395,6 +372,3 @@ class OffloadScheduler:
 
         return is_cached
 
-
-_EMPTY: dict = {}  # (never written)
-_CODE = {Location.ABSENT: 0, Location.HOST: 1, Location.STORAGE: 2}

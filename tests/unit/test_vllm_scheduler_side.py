@@ -339,6 +339,6 @@ def test_a_full_collection_skips_the_keys_ranks_reported(make_request):
     fresh = [(os.urandom(32), 0)]
     report(sched, 0, fresh, new=ON_DISK)
     report(sched, 1, fresh)
-    assert sched._held_by_all(fresh[0])
-    assert not any(gc.is_tracked(hashes) for rank in sched._held.values()
+    assert sched._keys.held_by_all(fresh[0])
+    assert not any(gc.is_tracked(hashes) for rank in sched._keys._ranks.values()
                    for hashes in rank.values())
