@@ -110,6 +110,8 @@ def run_steps(args) -> dict:
                        documents, system_prompts, seed=args.seed)
     if args.gc_freeze:  # as vLLM does once its engine and workers are up
         freeze_gc_heap()
+    if args.report_cap is not None and hasattr(worker_side, "REPORT_MAX_KEYS"):
+        worker_side.REPORT_MAX_KEYS = args.report_cap  # read by report() at every call
     cap = getattr(worker_side, "REPORT_MAX_KEYS", None)
     records, reported, stream_end = [], 0, None
     started = time.monotonic()
@@ -329,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-cap", type=int, help="key changes per worker report "
+                        "(sets worker_side.REPORT_MAX_KEYS for this run; default: the tree's)")
     parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                         help="do not freeze the start-up heap (vLLM's engine and GPU workers "
                         "do, so the collector skips it)")
@@ -351,14 +355,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """`argv` less these options and their values."""
-    out, skip = [], False
+    """`argv` less these options and their values (all up to the next option)."""
+    out, skipping = [], False
     for arg in argv:
-        if skip:
-            skip = False
-        elif arg in options:
-            skip = True
-        elif not arg.startswith(tuple(f"{o}=" for o in options)):
+        if arg.startswith("--"):
+            skipping = arg.split("=", 1)[0] in options
+            if skipping:
+                continue
+        if not skipping:
             out.append(arg)
     return out
 
