@@ -284,6 +284,9 @@ def measure(args) -> dict:
     tree = Path(kv_offload.__file__).resolve().parent.parent
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no",
+                       "kv_offload"], capture_output=True, text=True).stdout.strip():
+        commit += "+changes"  # the tree's kv_offload differs from its commit
     result = {"label": f"{commit or tree} ({API})", "tree": str(tree), "commit": commit,
               "api": API}
     if not args.skip_prefill:
