@@ -92,13 +92,9 @@ class TieredStore(LoadPipeline):
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str) -> TieredStore:
-        storage = None
-        if config.fs_root_dir is not None:
-            from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+        from kv_offload.backends import make_storage_tier
 
-            storage = FilesystemTier(FilesystemTierConfig(
-                root_dir=config.fs_root_dir, layout_fingerprint=fingerprint,
-                bytes_to_use=config.fs_bytes_to_use, fsync=config.fs_fsync))
+        storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
                    eviction_policy=config.eviction_policy)
 

@@ -10,7 +10,7 @@ few that changed; a feed hands over exactly the changes. The start-up inventory 
 the same feed (recorded as ``added`` by the first scan), so a caller that takes a few thousand
 keys per step learns a large directory over several steps instead of in one long pause.
 
-Cost: ``added``/``removed`` are O(1), ``take`` is O(keys handed out);
+Cost: ``added``/``removed`` are O(1) (``extend``: O(keys)), ``take`` is O(keys handed out);
 both only take the feed's own lock, never a lock the tier's I/O paths hold for long, and never
 do I/O. Memory is one entry per key changed and not yet taken (a key changed many times is one
 entry).
@@ -28,6 +28,8 @@ from collections import deque
 from kv_offload.backends.base import TierChanges
 from kv_offload.errors import TierRequestError
 
+_STATE_SHARDS = 256  # a power of two
+
 
 class ChangeFeed:
     """Coalesced per-key changes, taken in FIFO chunks. Thread-safe."""
@@ -36,10 +38,11 @@ class ChangeFeed:
         self._lock = threading.Lock()
         # Keys in the order of their first change not yet taken, and their latest state:
         # True (readable now) / False (not any more). A key changed again keeps its place in
-        # the queue and gets the new state. (A deque and a plain dict rather than one ordered
-        # dict: neither stalls to re-hash a million entries while the inventory grows.)
+        # the queue and gets the new state. A deque, and the states spread over small dicts,
+        # rather than one ordered dict: growing a table of a million entries (a start-up
+        # inventory not yet taken) would stall every thread for milliseconds to re-hash it.
         self._order: deque[bytes] = deque()
-        self._state: dict[bytes, bool] = {}
+        self._states: list[dict[bytes, bool]] = [{} for _ in range(_STATE_SHARDS)]
 
     def __len__(self) -> int:
         """Keys whose change waits to be taken."""
@@ -51,22 +54,31 @@ class ChangeFeed:
     def removed(self, key: bytes) -> None:
         self._set(key, False)
 
+    def extend(self, keys: list[bytes], readable: bool) -> None:
+        """Record one state for several keys under one lock hold."""
+        with self._lock:
+            states, order = self._states, self._order
+            for key in keys:
+                state = states[hash(key) & (_STATE_SHARDS - 1)]
+                if key not in state:
+                    order.append(key)
+                state[key] = readable
+
     def _set(self, key: bytes, readable: bool) -> None:
         with self._lock:
-            if key not in self._state:
+            state = self._states[hash(key) & (_STATE_SHARDS - 1)]
+            if key not in state:
                 self._order.append(key)
-            self._state[key] = readable
+            state[key] = readable
 
     def take(self, max_keys: int) -> TierChanges:
         """The oldest pending changes, at most ``max_keys`` keys; they are gone from the feed."""
         if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys <= 0:
             raise TierRequestError(f"take_changes(max_keys={max_keys!r}): expected an int >= 1")
         with self._lock:
-            order, state = self._order, self._state
-            taken = [(key, state.pop(key)) for key in
-                     (order.popleft() for _ in range(min(max_keys, len(order))))]
-            if not order:
-                self._state = {}  # let go of the big table a start-up inventory left behind
+            order, states = self._order, self._states
+            taken = [(key, states[hash(key) & (_STATE_SHARDS - 1)].pop(key))
+                     for key in (order.popleft() for _ in range(min(max_keys, len(order))))]
         return TierChanges(
             added=tuple(key for key, readable in taken if readable),
             removed=tuple(key for key, readable in taken if not readable),

@@ -6,8 +6,8 @@ Contents:
 
 Why not one ``OrderedDict``: at a million keys, growing (or compacting) one hash table copies
 all of it in one call: inserts then stall for 0.1-0.4 s every few hundred thousand writes,
-holding the interpreter and the index lock. A shard holds ~1/1024 of the keys, so its resize
-costs ~1/1024 too. Shards are plain dicts of bytes -> int: the garbage collector untracks them
+holding the interpreter and the index lock. A shard holds ~1/4096 of the keys, so its resize
+costs ~1/4096 too. Shards are plain dicts of bytes -> int: the garbage collector untracks them
 (they hold no container), so a full collection does not walk a million entries either.
 
 Order: every insert and access takes the next tick of a counter, stored with the size in the
@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 
-NUM_SHARDS = 1024  # a power of two
+NUM_SHARDS = 4096  # a power of two
 SIZE_BITS = 44  # sizes below 16 TiB; ticks use the bits above
 _SIZE_MASK = (1 << SIZE_BITS) - 1
 
@@ -45,6 +45,11 @@ class ShardedLRU:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._shards[hash(key) & (NUM_SHARDS - 1)]
+
+    def contains_each(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each key is stored (one pass: the lookup path of every engine step)."""
+        shards, mask = self._shards, NUM_SHARDS - 1
+        return [key in shards[hash(key) & mask] for key in keys]
 
     def shard(self, index: int) -> dict[bytes, int]:
         """Shard ``index`` (read only: keys -> packed values), for scan merges."""
@@ -83,6 +88,21 @@ class ShardedLRU:
         """Change the size of a stored ``key``, keeping its place in the order."""
         shard = self._shards[hash(key) & (NUM_SHARDS - 1)]
         shard[key] = shard[key] & ~_SIZE_MASK | size
+
+    def add(self, key: bytes, size: int) -> bool:
+        """Insert an absent ``key`` as the most recent; False (nothing changes) if present."""
+        index = hash(key) & (NUM_SHARDS - 1)
+        shard = self._shards[index]
+        if key in shard:
+            return False
+        if not 0 <= size <= _SIZE_MASK:
+            raise ValueError(f"file size {size} out of range")
+        if not shard:
+            heapq.heappush(self._fronts, (self._tick, index))
+        shard[key] = self._tick << SIZE_BITS | size
+        self._tick += 1
+        self._len += 1
+        return True
 
     def touch(self, key: bytes) -> bool:
         """Make ``key`` the most recent; False if absent."""

@@ -13,6 +13,7 @@ the thread: it is counted and logged once per episode, and the next round tries 
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ class Rescanner:
         index: KeyIndex,
         delete: Callable[[list[bytes]], None],
         count: Callable[..., None],
-        failures: FailureEpisodes,
+        episodes: Callable[[str], FailureEpisodes],
     ) -> None:
         self._config = config
         self._layout_dir = layout_dir
@@ -47,11 +48,13 @@ class Rescanner:
         self._index = index
         self._delete = delete  # deletes the files of evicted keys and counts them
         self._count = count
-        self._failures = failures
+        self._failures = episodes("rescan")
+        self._root_failures = episodes("root_survey")
         self._lock = threading.Lock()  # one rescan at a time (never taken by a caller)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-fs-rescan", daemon=True)
         self.root = RootSurvey()  # the root as the last rescan found it
+        self._starved = False  # whether the last rescan left this tier no room at all
 
     def start(self) -> None:
         self._thread.start()
@@ -70,7 +73,12 @@ class Rescanner:
                 self._layout_dir, self._host, self._config.stale_temp_s
             )
             merged = self._index.merge_scan(files, generation, pause)
-            self._fit_root()
+            try:  # (an unreadable corner of a shared root must not stop this tier's upkeep)
+                self._fit_root()
+                self._root_failures.succeeded()
+            except OSError as e:
+                name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
+                self._root_failures.failed(name, f"{self._config.root_dir}: {e}")
             self._delete(self._index.evict_to_budget(pause))
         self._count("rescans")
         self._count("temp_files_swept", n=swept)
@@ -85,6 +93,16 @@ class Rescanner:
         )
         self.root = fit.survey
         self._index.set_budget(fit.share_bytes)
+        if (fit.share_bytes == 0) != self._starved:  # one line when it starts, one when it ends
+            self._starved = fit.share_bytes == 0
+            if self._starved:
+                logger.warning(
+                    "kv-offload: files that are not ours under %s fill the whole disk budget "
+                    "(%d bytes): nothing can be stored", config.root_dir, config.bytes_to_use,
+                )
+            else:
+                logger.warning("kv-offload: the disk tier under %s has room again",
+                               config.root_dir)
         if fit.evicted.files:
             self._count("foreign_files_evicted", n=fit.evicted.files)
             self._count("foreign_bytes_evicted", n=fit.evicted.bytes)
@@ -105,7 +123,7 @@ class Rescanner:
                     next_rescan = time.monotonic() + interval
                     self.rescan()
                 else:
-                    touch_heartbeat(self._layout_dir)
+                    touch_heartbeat(self._layout_dir, self._index.used_bytes)
                 self._failures.succeeded()
             except Exception as e:
                 self._failures.failed(

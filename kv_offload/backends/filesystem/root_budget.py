@@ -1,7 +1,8 @@
 """The disk budget covers the whole root: other layout directories, and who is still alive.
 
 Contents:
-- `touch_heartbeat`: mark a layout directory as used by a live tier; returns the time stamp.
+- `touch_heartbeat`: mark a layout directory as used by a live tier, with the bytes it holds;
+  returns the time stamp.
 - `survey_root`: bytes under the root outside this tier's layout directory, per directory,
   and which layout directories are stale (no live tier uses them).
 - `evict_stale`: delete the oldest files of stale layout directories, then empty directories.
@@ -12,10 +13,10 @@ Contents:
 Why: every model change, upgrade or library format change gets a new layout directory (the
 layout fingerprint names it). Budgeting only one's own directory lets the root grow without
 bound. So ``fs_bytes_to_use`` bounds every file under ``fs_root_dir``. Layout directories
-nobody uses any more are evicted (oldest files first) when the root is over budget; what a
-tier may not evict (directories of live tiers, files that are not ours) comes off its share,
-and it evicts its own least recent keys to stay within it, so several live tiers share the
-budget. Directories of live tiers are never touched.
+nobody uses any more are evicted (oldest files first) when the root is over budget. Live
+tiers (the ranks of one engine, other engines on a shared directory) split the budget: each
+evicts its own least recent keys to stay within its share (`RootSurvey.share`), and never
+touches another live tier's directory. Files that are not ours count and are never deleted.
 
 Liveness: every tier touches ``HEARTBEAT_NAME`` in its layout directory at each rescan (and at
 least every quarter of ``heartbeat_timeout_s``). A directory is live while its heartbeat, or
@@ -24,6 +25,12 @@ older library versions write no heartbeat; reads refresh file mtimes too). Ages 
 against the mtime of this tier's own heartbeat, just touched: on a shared filesystem both
 stamps come from the same clock (the file server's), so clock skew between hosts does not
 matter. Directory mtimes are not used: deleting stale files would refresh them.
+
+Cost: a live tier writes the bytes it holds into its heartbeat, so the others read one small
+file per live directory instead of stating its every file (8 ranks of a million files each
+would otherwise stat 7 million files per rescan, each). Only directories without a fresh
+heartbeat (stale ones, or older library versions) are walked. (Heartbeat files themselves,
+64 bytes each, are not counted.)
 
 Files that are not in a layout directory (anything else an operator put under the root) count
 against the budget but are never deleted. All of this runs in the tier's background rescan,
@@ -42,6 +49,8 @@ from kv_offload.backends.filesystem.io_engine import unlink_quietly
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_NAME = ".kv-alive"
+_HEARTBEAT_SIZE = 64
+_HEARTBEAT = re.compile(rb"kv-offload heartbeat: (\d+) bytes\n")
 # layout_dir_name() of any format version: "kv-v<version>-<hex digest of the fingerprint>"
 _LAYOUT_DIR = re.compile(r"^kv-v[0-9A-Za-z._]+-[0-9a-f]+$")
 
@@ -53,7 +62,6 @@ class ForeignDir:
     path: str
     live: bool
     bytes: int = 0
-    files: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,10 +75,18 @@ class RootSurvey:
     def foreign_bytes(self) -> int:
         return self.other_bytes + sum(d.bytes for d in self.layout_dirs)
 
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes no tier may evict: live layout directories and everything else."""
-        return self.other_bytes + sum(d.bytes for d in self.layout_dirs if d.live)
+    def share(self, budget: int) -> int:
+        """The bytes this tier may keep: ``budget`` minus the files that are not ours, split
+        fairly among the live tiers: each other live tier is counted with what it holds, but
+        at most its fair part (an even split). A tier that started late therefore gets its
+        part even while an earlier one fills the whole root (the earlier one shrinks to its
+        part at its next rescan); a tier that needs less leaves the rest to the others.
+        Stale bytes are not taken off: they are the first to go when the root is over budget
+        (a share without them would leave a tier stuck below a dead directory for good)."""
+        available = budget - self.other_bytes
+        live = [d.bytes for d in self.layout_dirs if d.live]
+        fair = available // (len(live) + 1)
+        return max(0, available - sum(min(held, fair) for held in live))
 
     @property
     def stale_bytes(self) -> int:
@@ -90,19 +106,38 @@ class StaleEviction:
     dirs_removed: list[str] = field(default_factory=list)
 
 
-def touch_heartbeat(layout_dir: str) -> float:
-    """Mark ``layout_dir`` as used now; return the heartbeat's mtime (the filesystem's clock)."""
+def touch_heartbeat(layout_dir: str, held_bytes: int) -> float:
+    """Mark ``layout_dir`` as used now by a tier holding ``held_bytes``; return the
+    heartbeat's mtime (the filesystem's clock). Written in place, at a fixed size: a reader
+    that catches a torn write finds no number and walks the directory instead."""
     path = os.path.join(layout_dir, HEARTBEAT_NAME)
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
-    os.utime(path)
-    return os.stat(path).st_mtime
+    line = f"kv-offload heartbeat: {held_bytes} bytes\n".encode().ljust(_HEARTBEAT_SIZE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, line, 0)  # (updates the mtime)
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
+def _read_heartbeat(layout_dir: str) -> tuple[float, int | None]:
+    """(mtime, bytes held) of a layout directory's heartbeat; -inf when there is none, bytes
+    None when it holds no number (torn, or written by an older version)."""
+    try:
+        with open(os.path.join(layout_dir, HEARTBEAT_NAME), "rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime
+            found = _HEARTBEAT.match(f.read(_HEARTBEAT_SIZE))
+    except OSError:
+        return float("-inf"), None
+    return mtime, int(found.group(1)) if found else None
 
 
 def _files_under(path: str):
-    """(path, size, mtime) of every regular file below ``path``; vanishing entries skipped."""
+    """(path, size, mtime) of every file below ``path`` (symlinks not followed); entries that
+    vanish or cannot be read (another user's directory) are skipped."""
     try:
         entries = list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return
     for entry in entries:
         try:
@@ -110,21 +145,15 @@ def _files_under(path: str):
                 yield from _files_under(entry.path)
                 continue
             st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
+        except OSError:
             continue
         yield entry.path, st.st_size, st.st_mtime
 
 
-def _heartbeat_mtime(layout_dir: str) -> float:
-    try:
-        return os.stat(os.path.join(layout_dir, HEARTBEAT_NAME)).st_mtime
-    except OSError:
-        return float("-inf")
-
-
 def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float) -> RootSurvey:
     """Sizes of everything under ``root`` but ``own_layout_dir``, and which layout dirs are
-    live (heartbeat or newest file younger than ``live_window_s`` before ``now``)."""
+    live (heartbeat or newest file younger than ``live_window_s`` before ``now``). A live
+    directory whose heartbeat says what it holds is not walked."""
     layout_dirs: list[ForeignDir] = []
     other = 0
     own = os.path.basename(os.path.normpath(own_layout_dir))
@@ -133,15 +162,18 @@ def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float
             continue
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
-        except FileNotFoundError:
+        except OSError:
             continue
         if is_dir and _LAYOUT_DIR.match(entry.name):
-            newest = _heartbeat_mtime(entry.path)
+            newest, held = _read_heartbeat(entry.path)
+            if now - newest < live_window_s and held is not None:  # live, and says its size
+                layout_dirs.append(ForeignDir(entry.path, live=True, bytes=held))
+                continue
             found = ForeignDir(entry.path, live=False)
-            for _, size, mtime in _files_under(entry.path):
-                found.bytes += size
-                found.files += 1
-                newest = max(newest, mtime)
+            for path, size, mtime in _files_under(entry.path):
+                if os.path.basename(path) != HEARTBEAT_NAME:  # (64 bytes, not counted)
+                    found.bytes += size
+                    newest = max(newest, mtime)
             found.live = now - newest < live_window_s
             layout_dirs.append(found)
         elif is_dir:
@@ -149,7 +181,7 @@ def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float
         else:
             try:
                 other += entry.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
+            except OSError:
                 continue
     return RootSurvey(tuple(layout_dirs), other)
 
@@ -161,7 +193,7 @@ def evict_stale(
     then remove the directories left empty. A directory whose heartbeat came back to life
     since the survey is skipped."""
     done = StaleEviction()
-    dirs = [d for d in stale if now - _heartbeat_mtime(d.path) >= live_window_s]
+    dirs = [d for d in stale if now - _read_heartbeat(d.path)[0] >= live_window_s]
     files = sorted(
         (mtime, size, path)
         for d in dirs
@@ -221,13 +253,11 @@ def fit_root(
     root: str, layout_dir: str, budget: int, own_bytes: int, live_window_s: float
 ) -> RootFit:
     """Touch this tier's heartbeat, survey the root, evict stale layout directories (oldest
-    files first) while the root is over ``budget``, and return this tier's share: ``budget``
-    minus what it may not evict (live directories, other files), at least 0.
-
-    Stale bytes are not taken off the share: they are the first to go, and a share without
-    them would leave a tier stuck below a dead directory's size for good. Between rescans the
-    root may therefore exceed the budget by what this tier wrote since its last rescan."""
-    now = touch_heartbeat(layout_dir)
+    files first) while the root is over ``budget``, and return this tier's share (see
+    `RootSurvey.share`). The root may exceed the budget between rescans: by what this tier
+    wrote since its last one, or while a tier that holds more than its part has not yet
+    rescanned and shrunk."""
+    now = touch_heartbeat(layout_dir, own_bytes)
     survey = survey_root(root, layout_dir, now, live_window_s)
     evicted = StaleEviction()
     over = own_bytes + survey.foreign_bytes - budget
@@ -236,7 +266,7 @@ def fit_root(
             [d for d in survey.layout_dirs if not d.live], over, now, live_window_s
         )
         survey = survey_root(root, layout_dir, now, live_window_s)
-    return RootFit(survey, evicted, max(0, budget - survey.kept_bytes))
+    return RootFit(survey, evicted, survey.share(budget))
 
 
 def warn_if_larger_than_the_filesystem(path: str, budget: int) -> None:

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -65,6 +66,7 @@ from kv_offload.backends.filesystem.io_engine import (
 )
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
+from kv_offload.backends.options import parse_options
 from kv_offload.errors import TierClosedError
 
 logger = logging.getLogger(__name__)
@@ -109,10 +111,21 @@ class FilesystemTier(StorageTier):
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io")
         self._rescanner = Rescanner(
             config, self._layout_dir, self._host, self._index, self._delete, self._count,
-            FailureEpisodes("rescan", self._counts, self._lock, logger),
+            lambda what: FailureEpisodes(what, self._counts, self._lock, logger),
         )
         self._rescanner.rescan(pause=None)  # nobody can call the tier yet: no pauses needed
         self._rescanner.start()  # rescans, and heartbeats even when rescans are off
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        parse_options(FilesystemTierConfig, options, tier="filesystem", layout_fingerprint="check")
+
+    @classmethod
+    def from_options(cls, options, layout_fingerprint: str) -> FilesystemTier:
+        config = parse_options(FilesystemTierConfig, options, tier="filesystem",
+                               layout_fingerprint=layout_fingerprint)
+        root = os.path.abspath(os.path.expanduser(config.root_dir))
+        return cls(dataclasses.replace(config, root_dir=root))
 
     # -- the StorageTier interface -------------------------------------------------------
 
@@ -130,7 +143,8 @@ class FilesystemTier(StorageTier):
                 continue
             size = data_offset(key, self.config.layout_fingerprint, buf.numel()) + buf.numel()
             reservation = self._index.reserve(size)
-            if reservation is None:  # larger than the whole budget: no disk fault, no episode
+            if reservation is None:  # no room in this tier's share, even after evicting all
+                # it may (keys being read, room held by writes in flight): no disk fault
                 self._count("write_failed", "write_failed_budget")
                 continue
             tasks.append((self._write_one, job, i, key, buf, size, reservation))
@@ -160,7 +174,7 @@ class FilesystemTier(StorageTier):
         self._rescanner.stop()
         self._pool.shutdown(wait=True)
 
-    # -- beyond the interface --------------------------------------------------------------
+    # -- optional hooks of the interface, and more -----------------------------------------
 
     def take_changes(self, max_keys: int) -> TierChanges:
         """Keys added or removed since the last call (the start-up inventory first), at most
