@@ -64,7 +64,9 @@ class KeyView:
         self._host: dict[int, dict[bytes | int, None]] = {}
         self._storage: dict[int, dict[bytes | int, None]] = {}
         self._reported: dict[int, dict[bytes | int, int]] = {}  # hash -> location code
-        self._dirty: dict[OffloadKey, None] = {}  # drained by `take`: small in steady state
+        # Keys that may have changed since the last `take` (per group: hash -> None). Not
+        # small while an inventory streams in faster than reports drain it.
+        self._dirty: dict[int, dict[bytes | int, None]] = {}
         self._reset = False
 
     def location(self, key: OffloadKey) -> Location:
@@ -98,24 +100,25 @@ class KeyView:
 
     def take(self, max_keys: int) -> KeyChanges:
         """Up to `max_keys` keys whose location differs from what was last reported."""
-        changes = []
-        dirty, reported, host, storage = self._dirty, self._reported, self._host, self._storage
-        while dirty and len(changes) < max_keys:
-            key, _ = dirty.popitem()
-            block_hash, group = key
-            # (int codes, not Location members: an Enum member hashes in Python code)
-            code = _HOST if block_hash in host.get(group, _EMPTY) else \
-                _STORAGE if block_hash in storage.get(group, _EMPTY) else _ABSENT
+        changes: list[KeyChange] = []
+        reported = self._reported
+        for group, dirty in self._dirty.items():
+            host, storage = self._host.get(group, _EMPTY), self._storage.get(group, _EMPTY)
             group_reported = reported.get(group)
             if group_reported is None:
                 group_reported = reported[group] = {}
-            if group_reported.get(block_hash, _ABSENT) == code:
-                continue
-            changes.append(KeyChange(key, _LOCATIONS[code]))
-            if code == _ABSENT:
-                del group_reported[block_hash]
-            else:
-                group_reported[block_hash] = code
+            while dirty and len(changes) < max_keys:
+                block_hash, _ = dirty.popitem()
+                # (int codes, not Location members: an Enum member hashes in Python code)
+                code = _HOST if block_hash in host else _STORAGE if block_hash in storage \
+                    else _ABSENT
+                if group_reported.get(block_hash, _ABSENT) == code:
+                    continue
+                changes.append(KeyChange((block_hash, group), _LOCATIONS[code]))
+                if code == _ABSENT:
+                    del group_reported[block_hash]
+                else:
+                    group_reported[block_hash] = code
         batch = KeyChanges(tuple(changes), self._reset)
         self._reset = False
         return batch
@@ -123,24 +126,28 @@ class KeyView:
     @property
     def num_pending(self) -> int:
         """Keys that may still have a change to report."""
-        return len(self._dirty)
+        return sum(len(dirty) for dirty in self._dirty.values())
 
     def _add(self, held: dict[int, dict], keys) -> None:
         dirty = self._dirty
-        for key in keys:
-            block_hash, group = key
+        for block_hash, group in keys:
             hashes = held.get(group)
             if hashes is None:
                 hashes = held[group] = {}
             hashes[block_hash] = None
-            dirty[key] = None
+            group_dirty = dirty.get(group)
+            if group_dirty is None:
+                group_dirty = dirty[group] = {}
+            group_dirty[block_hash] = None
 
     def _remove(self, held: dict[int, dict], keys) -> None:
         dirty = self._dirty
-        for key in keys:
-            block_hash, group = key
+        for block_hash, group in keys:
             held.get(group, _EMPTY).pop(block_hash, None)
-            dirty[key] = None
+            group_dirty = dirty.get(group)
+            if group_dirty is None:
+                group_dirty = dirty[group] = {}
+            group_dirty[block_hash] = None
 
 
 _EMPTY: dict = {}  # (never written: `pop` on it finds nothing)

@@ -72,9 +72,10 @@ def test_a_full_collection_skips_the_keys_held():
     view.host_added(keys[:100])
     assert len(view.take(len(keys)).changes) == len(keys)
     gc.collect()
-    more = [(os.urandom(32), 0)]  # keys keep arriving (each a newly made, tracked tuple)
-    view.storage_added(more)
-    view.host_added(more)
-    assert len(view.take(1).changes) == 1
-    for held in (view._host, view._storage, view._reported):  # per group: hash -> ...
+    more = [(os.urandom(32), 0) for _ in range(1000)]  # keys keep arriving (newly made,
+    view.storage_added(more)                            # tracked tuples)
+    view.host_added(more[:10])
+    assert view.num_pending == len(more)
+    for held in (view._host, view._storage, view._dirty, view._reported):  # per group
         assert held and not any(gc.is_tracked(hashes) for hashes in held.values())
+    assert len(view.take(len(more)).changes) == len(more)
