@@ -110,6 +110,7 @@ def run_steps(args) -> dict:
                        documents, system_prompts, seed=args.seed)
     if args.gc_freeze:  # as vLLM does once its engine and workers are up
         freeze_gc_heap()
+    engine.gc.take()  # (start-up collections are not a step's)
     if args.report_cap is not None and hasattr(worker_side, "REPORT_MAX_KEYS"):
         worker_side.REPORT_MAX_KEYS = args.report_cap  # read by report() at every call
     cap = getattr(worker_side, "REPORT_MAX_KEYS", None)
