@@ -172,13 +172,22 @@ def blocks_worth_storing(
 class StoreFrontier:
     """`blocks_worth_storing` for one group of one growing request, incrementally:
     `advance(n)` returns the blocks that became worth storing since the last call (each
-    block once, in no particular order). Work over the request's life is linear in its
-    blocks, plus one window per hit point for windowed rules, instead of re-deciding
-    every block at every step.
+    block once, in increasing order). Work over the request's life is linear in its
+    blocks, and the rule is asked a few times per call, not once per hit point, when the
+    windows of the hit points reached chain back to the frontier.
 
     Blocks below `frontier` are all decided; decided blocks above it are remembered
-    until the frontier passes them, so a rule loading a prefix (full attention) costs
-    only its new blocks, and a windowed rule one window per hit point."""
+    until the frontier passes them.
+
+    Why the chain is exact: a hit of n blocks loads only blocks below n, so every block
+    any hit point up to `last` loads is below `last`. If the windows of a chain of hit
+    points (`last`, then the nearest hit point at or above the start of its window, and
+    so on) cover every block from the frontier up to `last`, the blocks newly worth
+    storing are exactly the undecided ones in that range: the other hit points reached
+    add nothing outside it. Full attention chains in one call (its window is the whole
+    prefix), a sliding window in one call per window length. Otherwise (gaps between
+    windows, a rule that returns something other than a range ending at the hit point)
+    every hit point reached is asked, as before."""
 
     def __init__(self, spec: KVCacheSpec, *, alignment_tokens: int | None = None,
                  registry: KVCacheSpecRegistry | None = None) -> None:
@@ -196,24 +205,67 @@ class StoreFrontier:
         self.frontier = 0
         self._decided: set[int] = set()  # decided blocks at or above the frontier
 
+    @property
+    def next_hit_point(self) -> int:
+        """Full blocks the request must reach before `advance` can return anything."""
+        return self._next_hit_point
+
     def advance(self, num_blocks: int) -> list[int]:
         """Blocks newly worth storing now that the request has `num_blocks` full blocks."""
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise HitLookupError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        last = num_blocks // self._step * self._step  # the last hit point reached
+        if last < self._next_hit_point:
+            return []
         new: list[int] = []
-        decided = self._decided
-        while self._next_hit_point <= num_blocks:
-            blocks = self._rule.blocks_to_load(self._spec, self._next_hit_point)
-            if isinstance(blocks, range) and blocks.step == 1:
-                candidates = range(max(blocks.start, self.frontier, 0), blocks.stop)
-            else:  # an out-of-tree rule may skip blocks
-                candidates = [b for b in blocks if b >= self.frontier]
-            for block in candidates:
-                if block not in decided:
-                    decided.add(block)
-                    new.append(block)
-            while self.frontier in decided:
-                decided.discard(self.frontier)
-                self.frontier += 1
-            self._next_hit_point += self._step
+        if self._chain_covers_frontier(last):
+            self._decide_up_to(last, new)
+        else:
+            for hit_point in range(self._next_hit_point, last + 1, self._step):
+                self._decide(self._rule.blocks_to_load(self._spec, hit_point), new)
+        self._next_hit_point = last + self._step
+        new.sort()  # (already sorted unless a rule returned its blocks out of order)
         return new
+
+    def _chain_covers_frontier(self, last: int) -> bool:
+        """Whether a chain of hit point windows, from `last` back, covers every block from
+        the frontier up to `last` (see the class docstring)."""
+        hit_point, covered_from = last, last
+        while covered_from > self.frontier:
+            blocks = self._rule.blocks_to_load(self._spec, hit_point)
+            if not (isinstance(blocks, range) and blocks.step == 1 and
+                    blocks.stop == hit_point and blocks.start < covered_from):
+                return False  # not a window ending at its hit point, or no progress
+            covered_from = blocks.start
+            hit_point = -(-covered_from // self._step) * self._step  # at or above the start
+        return True
+
+    def _decide(self, blocks, new: list[int]) -> None:
+        """Decide the blocks one hit point loads."""
+        if isinstance(blocks, range) and blocks.step == 1 and blocks.start <= self.frontier:
+            self._decide_up_to(blocks.stop, new)
+            return
+        decided = self._decided
+        for block in blocks:  # an out-of-tree rule may skip blocks
+            if block >= self.frontier and block not in decided:
+                decided.add(block)
+                new.append(block)
+        self._move_frontier()
+
+    def _decide_up_to(self, stop: int, new: list[int]) -> None:
+        """Decide every block from the frontier up to `stop` (exclusive)."""
+        frontier, decided = self.frontier, self._decided
+        if stop > frontier:
+            if decided:
+                new.extend(block for block in range(frontier, stop) if block not in decided)
+                self._decided = {block for block in decided if block >= stop}
+            else:
+                new.extend(range(frontier, stop))
+            self.frontier = stop
+        self._move_frontier()
+
+    def _move_frontier(self) -> None:
+        decided = self._decided
+        while self.frontier in decided:
+            decided.discard(self.frontier)
+            self.frontier += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress
 from math import lcm
 from typing import Any
 
@@ -27,6 +28,7 @@ from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import Location, OffloadKey
 from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
+from kv_offload.vllm.rank_keys import RankKeys
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
@@ -37,6 +39,7 @@ class _Request:
     request: Any  # vllm Request: its block_hashes grow as tokens arrive
     block_ids: list[list[int]] = field(default_factory=list)
     frontiers: list[StoreFrontier] = field(default_factory=list)  # per group: store decisions
+    next_store_tokens: int = 0  # computed tokens before any group can have more to store
     wait_until_step: int = -1  # its lookup waits until every rank reflects this step
     waiting_since: float | None = None
     stores_off: bool = False  # its block table may be wrong (a step was missed): never store
@@ -68,8 +71,7 @@ class OffloadScheduler:
             if spec.block_size % hash_block_size:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
-        # Per rank: where it holds each key (a rank's reset replaces its dict: O(1)).
-        self._held: dict[int, dict[OffloadKey, Location]] = {}
+        self._keys = RankKeys(world_size)  # where each rank holds each key
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
@@ -90,7 +92,7 @@ class OffloadScheduler:
     def ready(self) -> bool:
         """Every rank has reported (until then a lookup is asked again), or the workers
         took longer than `MAX_REPORT_WAIT_S`: then lookups go on with what is known."""
-        return len(self._held) >= self.world_size or \
+        return self._keys.complete or \
             time.monotonic() - self._created > MAX_REPORT_WAIT_S
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -184,33 +186,45 @@ class OffloadScheduler:
         """Add the blocks of this request that became worth storing (linear over the
         request's life: each group's `StoreFrontier` decides each block once)."""
         request = state.request
-        if state.stores_off:
-            return
+        if state.stores_off or computed_tokens < state.next_store_tokens:
+            return  # (most decode steps: O(1))
         if not state.frontiers:
             state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)
                                for spec in self.specs]
-        num_hashes = len(request.block_hashes)
+        hashes = request.block_hashes
+        num_hashes = len(hashes)
         for g, spec in enumerate(self.specs):
             per_block = spec.block_size // self.hash_block_size
+            block_ids = state.block_ids[g] if g < len(state.block_ids) else []
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
-                       len(state.block_ids[g]) if g < len(state.block_ids) else 0)
+                       len(block_ids))
             # A block is worth storing once a hit point that loads it is reached; that can
             # be a later step than the one that computed it (a window before a hit point
             # further on). vLLM keeps such a block until then: it is inside that window.
             new = state.frontiers[g].advance(full)
             if not new:
                 continue
-            hashes, ids = stores.setdefault(g, ([], []))
-            for i in sorted(new):
-                block_id = state.block_ids[g][i]
-                if block_id == NULL_BLOCK_ID:
-                    continue
-                block_hash = self._hash_of(request, g, i)
-                if not self._held_by_all((block_hash, g)):
-                    hashes.append(block_hash)
-                    ids.append(block_id)
-        for g in [g for g, (_, ids) in stores.items() if not ids]:
-            del stores[g]
+            # Lists, not calls per block (a long prefill plans thousands); one run: slices.
+            lo, hi = new[0], new[-1] + 1
+            run = hi - lo == len(new)
+            step_hashes = hashes[(lo + 1) * per_block - 1:hi * per_block:per_block] if run \
+                else [hashes[(i + 1) * per_block - 1] for i in new]  # (vLLM's are bytes)
+            step_ids = block_ids[lo:hi] if run else [block_ids[i] for i in new]
+            held = self._keys.group_maps(g)  # skip null blocks, keys every rank holds
+            only = held[0] if len(held) == 1 else None
+            keep = [block_id != NULL_BLOCK_ID and (
+                block_hash not in only if only is not None else
+                not (held and all(block_hash in rank_held for rank_held in held)))
+                for block_hash, block_id in zip(step_hashes, step_ids)]
+            if not all(keep):
+                step_hashes = list(compress(step_hashes, keep))
+                step_ids = list(compress(step_ids, keep))
+            if step_ids:
+                hashes_out, ids_out = stores.setdefault(g, ([], []))
+                hashes_out.extend(step_hashes)
+                ids_out.extend(step_ids)
+        state.next_store_tokens = min(frontier.next_hit_point * spec.block_size
+                                      for frontier, spec in zip(state.frontiers, self.specs))
 
     # --- worker reports and request ends ---
 
@@ -220,21 +234,14 @@ class OffloadScheduler:
             return
         for rank, report in meta.reports.items():
             self._reflected_by_rank[rank] = report.reflected_step
-            held = self._held.get(rank)
-            if held is None or report.reset:
-                held = self._held[rank] = {}
-            for change in report.changes:
-                if change.location is Location.ABSENT:
-                    held.pop(change.key, None)
-                else:
-                    held[change.key] = change.location
+            self._keys.apply(rank, report.changes, report.reset)
         self._forget_reported()
 
     def source_of(self, request_id: str) -> str:
         """'host' when every block of the request's planned load is in every rank's host
         memory, else 'disk' (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
-        on_host = all(self._held_by_all((block_hash, g), Location.HOST)
+        on_host = all(self._keys.held_by_all((block_hash, g), Location.HOST)
                       for g, (hashes, _) in plan.items() for block_hash in hashes)
         return "host" if on_host else "disk"
 
@@ -267,7 +274,7 @@ class OffloadScheduler:
     @property
     def num_keys(self) -> int:
         """Keys some rank holds (tests and tools; O(ranks))."""
-        return len(set().union(*self._held.values())) if self._held else 0
+        return self._keys.num_keys
 
     def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
         """This step's metadata when `build_meta` failed: no stores, and every load
@@ -354,23 +361,14 @@ class OffloadScheduler:
         per_block = self.specs[group].block_size // self.hash_block_size
         return bytes(request.block_hashes[(block + 1) * per_block - 1])
 
-    def _held_by_all(self, key: OffloadKey, where: Location | None = None) -> bool:
-        """Whether every rank holds `key` (in host memory, if `where` is HOST)."""
-        if len(self._held) < self.world_size:
-            return False
-        for held in self._held.values():
-            location = held.get(key)
-            if location is None or (where is not None and location is not where):
-                return False
-        return True
-
     def _is_cached_fn(self, request: Any):
         hashes = request.block_hashes
-        held_by_all = self._held_by_all
         per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
+        held = [self._keys.group_maps(g) for g in range(len(self.specs))]
 
         def is_cached(group: int, block: int) -> bool:
-            index = (block + 1) * per_block[group] - 1
-            return index < len(hashes) and held_by_all((hashes[index], group))
+            index, maps = (block + 1) * per_block[group] - 1, held[group]
+            return index < len(hashes) and bool(maps) and all(hashes[index] in m for m in maps)
 
         return is_cached
+

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (inventories too)
 _PUMP_INTERVAL_S = 0.002
+_COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
 
 
 @dataclass
@@ -104,14 +105,25 @@ class OffloadWorker:
         timeout_s = self.copy_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while stragglers := [job_id for job_id, job in self._jobs.items()
-                                 if job.request_id is None and not job.abandoned]:
-                if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+            while stragglers := self._stragglers():
+                # Collect finished copies here, not at the pump's next round (it sleeps
+                # between rounds): the copies are usually out by the time we look.
+                self._pump_once()
+                if not (stragglers := self._stragglers()):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
                     self.faults.failed("engine copy", f"{len(stragglers)} store(s) not copied "
                                        f"out of engine memory within {timeout_s} s")
                     self._abandon(stragglers)
                     return
+                self._lock.wait(timeout=min(_COPY_POLL_S, left))
         self.faults.succeeded("engine copy")
+
+    def _stragglers(self) -> list[int]:
+        """Lock held: stores whose copy out of engine memory may still run."""
+        return [job_id for job_id, job in self._jobs.items()
+                if job.request_id is None and not job.abandoned]
 
     def begin_step(self, step: int) -> None:
         """A new step's plans arrived: the previous step's stores have been copied
@@ -268,10 +280,14 @@ class OffloadWorker:
         """Advance the store until shutdown. Nothing can end this loop but `_stop`: a fault
         in one round is contained and the next round runs."""
         while not self._stop.is_set():
-            try:
-                with self._lock:
-                    self._deliver(self.store.poll())
-                self.faults.succeeded("pump")
-            except Exception as exc:
-                self.faults.failed("pump", exc)
+            with self._lock:
+                self._pump_once()
             time.sleep(_PUMP_INTERVAL_S)
+
+    def _pump_once(self) -> None:
+        """Lock held: one round of advancing the store (a fault is contained)."""
+        try:
+            self._deliver(self.store.poll())
+            self.faults.succeeded("pump")
+        except Exception as exc:
+            self.faults.failed("pump", exc)

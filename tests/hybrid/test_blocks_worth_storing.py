@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_offload.errors import HitLookupError
-from kv_offload.hits import blocks_worth_storing
+from kv_offload.hits import StoreFrontier, blocks_worth_storing
 
 
 def reference(spec, num_blocks: int, align: int) -> list[int]:
@@ -25,6 +25,23 @@ def test_is_the_union_of_the_blocks_every_hit_point_loads(spec, num_blocks, fact
     align = spec.block_size * factor
     got = blocks_worth_storing(spec, num_blocks, alignment_tokens=align)
     assert got == reference(spec, num_blocks, align)
+
+
+@settings(max_examples=400, deadline=None)
+@given(group_specs(), st.lists(st.integers(0, 40), max_size=8), st.integers(1, 6))
+def test_a_frontier_advanced_step_by_step_decides_exactly_the_union_each_block_once(
+        spec, increments, factor):
+    align = spec.block_size * factor
+    frontier = StoreFrontier(spec, alignment_tokens=align)
+    decided: list[int] = []
+    num_blocks = 0
+    for increment in [0, *increments]:
+        num_blocks += increment
+        new = frontier.advance(num_blocks)
+        assert new == sorted(new)
+        decided += new
+        assert sorted(decided) == reference(spec, num_blocks, align)
+    assert len(decided) == len(set(decided))
 
 
 def test_full_attention_stores_everything_cross_attention_nothing():

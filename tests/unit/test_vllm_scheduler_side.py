@@ -3,6 +3,9 @@ report lag, driven with vLLM's real Request and SchedulerOutput objects; no engi
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -323,3 +326,19 @@ def test_a_request_asked_again_is_counted_in_the_stats_once(make_request):
     first = sched.num_new_matched_tokens(request, 0)[2]
     assert first is not None and first.query_tokens == 100
     assert sched.num_new_matched_tokens(request, 0)[2] is None
+
+
+def test_a_full_collection_skips_the_keys_ranks_reported(make_request):
+    # With a million keys reported, containers the collector tracks would cost every full
+    # collection ~50 ms (walked entry by entry); the per-group maps are untracked, and
+    # stay so as new keys (newly made, tracked tuples) keep arriving.
+    sched = full_attention(world_size=2)
+    for rank in (0, 1):
+        report(sched, rank, [(os.urandom(32), 0) for _ in range(1000)])
+    gc.collect()
+    fresh = [(os.urandom(32), 0)]
+    report(sched, 0, fresh, new=ON_DISK)
+    report(sched, 1, fresh)
+    assert sched._keys.held_by_all(fresh[0])
+    assert not any(gc.is_tracked(hashes) for rank in sched._keys._ranks.values()
+                   for hashes in rank.values())

@@ -148,3 +148,24 @@ def test_sliding_window_block_needed_by_a_later_hit_point_is_stored(make_request
     swa_stored = stored(first, 0) + stored(second, 0)
     # The hit at 128 tokens needs the window before it: sliding-window blocks 2 and 3.
     assert swa_stored == list(zip(hashes_of(request, range(4)), [1, 2, 3, 4]))
+
+
+def test_windows_far_from_every_hit_point_are_skipped_and_large_blocks_use_their_last_hash(
+        make_request):
+    # Hits end on multiples of 64 tokens (the full group's block), so a one-block window
+    # (32 tokens) needs only the block before each hit point: blocks 1, 3, 5, 7 (not one
+    # run); a 64-token block of the full group is named by the hash of its second half.
+    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=BLOCK, **ATTN),
+                          vkv.FullAttentionSpec(**{**ATTN, "block_size": 2 * BLOCK}))
+    request = make_request("r", 8 * BLOCK + 1)
+    report(sched, 0)
+    sched.num_new_matched_tokens(request, 0)
+    new = NewRequestData.from_request(request, ([1, 2, 3, 4, 5], [11, 12, 13]))
+    first = sched.build_meta(output(new=[new], scheduled={"r": 5 * BLOCK}))
+    request.num_computed_tokens = 5 * BLOCK
+    second = sched.build_meta(output(cached=cached_step(request, ([6, 7, 8, 9], [14, 15])),
+                                     scheduled={"r": 3 * BLOCK + 1}))
+    assert stored(first, 0) == list(zip(hashes_of(request, [1, 3]), [2, 4]))
+    assert stored(second, 0) == list(zip(hashes_of(request, [5, 7]), [6, 8]))
+    assert stored(first, 1) == list(zip(hashes_of(request, [1, 3]), [11, 12]))
+    assert stored(second, 1) == list(zip(hashes_of(request, [5, 7]), [13, 14]))

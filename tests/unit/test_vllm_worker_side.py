@@ -304,3 +304,27 @@ def test_reset_serves_nothing_stored_before_it_keeps_files_and_survives_a_read(w
     worker.start_loads({"s": {0: ([block_hash(9, b"reset")], [8])}})
     assert wait_loads(worker, {"s"}) == ({"s"}, set())
     assert same_bytes(engine.block_bytes(0, 8), engine.block_bytes(0, 7))
+
+
+def test_a_store_whose_copy_never_ends_is_abandoned_at_the_timeout_and_never_served(workers):
+    engine = Engine()
+    worker = make_worker(engine)
+    workers.append(worker)
+    hashes = [block_hash(i, b"stuck") for i in range(3)]
+    host = worker.store.cpu
+    poll = host.poll
+    with worker._lock:  # the host tier's copies finish, but their results never come back
+        host.poll = list
+    worker.start_stores({0: (hashes, [1, 2, 3])})
+    started = time.monotonic()
+    worker.wait_for_engine_copies(timeout_s=0.3)  # returns: the engine goes on
+    assert 0.3 <= time.monotonic() - started < WAIT_S
+    with worker._lock:
+        host.poll = poll
+    deadline = time.monotonic() + WAIT_S
+    while worker.store.manager.num_free_slots < worker.store.cpu.num_slots:
+        assert time.monotonic() < deadline, "the abandoned store never released its slots"
+        time.sleep(0.01)
+    assert changes(worker) == {}  # never reported as held
+    worker.start_loads({"r": {0: (hashes, [10, 11, 12])}})
+    assert wait_loads(worker, {"r"}) == ({"r"}, {"r"})  # never served

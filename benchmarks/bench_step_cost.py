@@ -1,0 +1,375 @@
+"""What the connector adds to one vLLM engine step, with 1,000,000 keys on "disk" (issue 11 §2).
+
+1. Per-step cost, scheduler side and worker side apart (p50 / p99 / max over the steps),
+   with `--keys` keys already in the storage tier (a synthetic index: `step_cost_tier.py`)
+   and `--requests` requests in the system (`step_cost_engine.py`: vLLM's real Request and
+   SchedulerOutput objects, our real scheduler and worker over CPU KV caches). Two phases:
+   the first steps, while the inventory reaches the scheduler, and the steady state after
+   `--warmup-steps` (the first requests' prefills), `--steady-steps` long.
+   Scheduler side = lookups (+ after_alloc, source_of) + build_meta + apply_worker_meta +
+   loads_finished + request_finished; worker side = wait_for_engine_copies + start_loads +
+   start_stores + finished_loads + report + take_stats. Pickling our metadata across
+   vLLM's process boundary is timed apart ("ipc"). Goal: p99 < 1 ms on each side.
+2. Store planning over a 128k-token prefill in 2048-token chunks, then 256 decode tokens
+   (`step_cost_prefill.py`): full attention, and sliding window + full attention.
+   Goal: < 5 ms in total.
+
+    python benchmarks/bench_step_cost.py --json step-cost.json
+    # before/after: the same measurements on another tree (e.g. commit 2505ae9), one after
+    # the other in child processes, and a table with the ratios:
+    git worktree add /work/wt-before 2505ae9
+    python benchmarks/bench_step_cost.py --before /work/wt-before --json step-cost.json
+
+The tree under test is whatever `kv_offload` imports (`PYTHONPATH`); `step_cost_compat.py`
+adapts to the older API. Timings include everything those calls do on the engine's thread,
+waits for the worker lock (its pump thread runs meanwhile) and garbage collection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from step_cost_compat import API, make_worker, storage_key_of
+from step_cost_engine import SCHEDULER_CALLS, WORKER_CALLS, SimEngine, Workload
+from step_cost_prefill import PrefillCase, plan_prefill
+from step_cost_tier import SyntheticTier
+from vllm import SamplingParams
+from vllm.utils.gc_utils import freeze_gc_heap
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+import kv_offload
+from kv_offload.config import OffloadConfig
+from kv_offload.engine_alloc import allocate_kv_caches
+from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kv_offload.vllm import worker_side
+from kv_offload.vllm.scheduler_side import OffloadScheduler
+
+BLOCK = 16
+ATTN = dict(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+GOAL_STEP_P99_MS = 1.0
+GOAL_PREFILL_MS = 5.0
+
+
+def model_specs(model: str, window: int = 1024) -> list:
+    full = FullAttentionSpec(**ATTN)
+    if model == "full":
+        return [full]
+    return [full, SlidingWindowSpec(sliding_window=window, **ATTN)]
+
+
+def request_factory():
+    init_none_hash(sha256)  # as vLLM's EngineCore does, with the default algorithm
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def make(req_id: str, tokens: list[int]) -> Request:
+        return Request(req_id, tokens, SamplingParams(max_tokens=1 << 20), None,
+                       block_hasher=hasher)
+    return make
+
+
+# --- 1. per-step cost ---
+
+def run_steps(args) -> dict:
+    rng = random.Random(args.seed)
+    specs = model_specs(args.model)
+    groups = [KVCacheGroup([f"layers.{g}.a", f"layers.{g}.b"], spec)
+              for g, spec in enumerate(specs)]
+    make_request = request_factory()
+    tokens = lambda n: [rng.randrange(1, 30000) for _ in range(n)]  # noqa: E731
+    documents = [tokens(rng.randrange(1024, 3072, BLOCK)) for _ in range(64)]
+    system_prompts = [tokens(rng.randrange(256, 1024, BLOCK)) for _ in range(8)]
+    doc_keys = {(bytes(h), g) for i, doc in enumerate(documents)
+                for h in make_request(f"doc-{i}", doc).block_hashes for g in range(len(specs))}
+    inventory = [storage_key_of(key) for key in doc_keys]
+    inventory += [storage_key_of((rng.randbytes(32), rng.randrange(len(specs))))
+                  for _ in range(args.keys - len(inventory))]
+    rng.shuffle(inventory)
+    num_blocks = args.engine_blocks * len(specs)
+    _, caches = allocate_kv_caches(groups, num_blocks, "LBHNC")  # vLLM CPU's layout
+    block_bytes = sum(2 * spec.page_size_bytes for spec in specs)
+    tier = SyntheticTier(inventory, page_bytes=block_bytes)
+    worker = make_worker(OffloadConfig(cpu_bytes_to_use=args.host_mib << 20), caches, groups,
+                         num_blocks, tier)
+    scheduler = OffloadScheduler(specs, BLOCK, 1)
+    workload = Workload(num_requests=args.requests, max_batched_tokens=args.batched_tokens,
+                        forward_s=args.forward_ms / 1e3, block_size=BLOCK)
+    engine = SimEngine(workload, len(specs), num_blocks, scheduler, worker, make_request,
+                       documents, system_prompts, seed=args.seed)
+    if args.gc_freeze:  # as vLLM does once its engine and workers are up
+        freeze_gc_heap()
+    engine.gc.take()  # (start-up collections are not a step's)
+    if args.report_cap is not None and hasattr(worker_side, "REPORT_MAX_KEYS"):
+        worker_side.REPORT_MAX_KEYS = args.report_cap  # read by report() at every call
+    cap = getattr(worker_side, "REPORT_MAX_KEYS", None)
+    records, reported, stream_end = [], 0, None
+    started = time.monotonic()
+    try:
+        while True:
+            record = engine.step()
+            records.append(record)
+            streaming = reported < len(inventory) or record.report_keys == cap
+            reported += record.report_keys
+            if stream_end is None and not streaming:
+                stream_end = record.step  # the first step after the inventory arrived
+            if stream_end is not None and \
+                    record.step + 1 >= max(stream_end, args.warmup_steps) + args.steady_steps:
+                break
+    finally:
+        engine.gc.close()
+        worker.shutdown()
+    wall = time.monotonic() - started
+    first, steady = records[:stream_end], records[-args.steady_steps:]
+    return {
+        "model": args.model, "keys": args.keys, "requests": args.requests,
+        "forward_ms": args.forward_ms, "batched_tokens": args.batched_tokens,
+        "report_cap": cap, "steps": len(records), "wall_s": wall, "gc_freeze": args.gc_freeze,
+        "tier": dict(tier.counts),
+        "first_steps": phase_summary(first),
+        "steady_state": phase_summary(steady),
+    }
+
+
+def phase_summary(records) -> dict:
+    if not records:
+        return {}
+    sides = {"scheduler": SCHEDULER_CALLS, "worker": WORKER_CALLS, "ipc": ("ipc",)}
+    summary = {"steps": len(records), "step_range": [records[0].step, records[-1].step]}
+    for side, calls in sides.items():
+        summary[side] = stats_ms([r.side_ns(calls) for r in records])
+        summary[f"{side}_cpu"] = stats_ms([r.side_ns(calls, cpu=True) for r in records])
+    summary["calls"] = {name: stats_ms([r.ns.get(name, 0) for r in records])
+                        for name in SCHEDULER_CALLS + WORKER_CALLS}
+    summary["calls_cpu"] = {name: stats_ms([r.cpu_ns.get(name, 0) for r in records])
+                            for name in SCHEDULER_CALLS + WORKER_CALLS}
+    summary["report_keys"] = stats([r.report_keys for r in records])
+    summary["gc"] = {"pause_per_step": stats_ms([r.gc_ns for r in records]),
+                     "pause_cpu_per_step": stats_ms([r.gc_cpu_ns for r in records]),
+                     "full_collections": sum(r.gc_full for r in records)}
+    for name in ("scheduled_tokens", "stored_blocks", "loads", "lookups"):
+        summary[name] = float(np.mean([getattr(r, name) for r in records]))
+    return summary
+
+
+def stats(values) -> dict:
+    a = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
+            "max": float(a.max()), "mean": float(a.mean()), "sum": float(a.sum())}
+
+
+def stats_ms(ns_values) -> dict:
+    out = {k: v / 1e6 for k, v in stats(ns_values).items()}
+    out["over_1ms"] = int(sum(v > 1e6 for v in ns_values))
+    return out
+
+
+# --- 2. store planning of a long prefill ---
+
+def run_prefills(args) -> list[dict]:
+    """Each case `--prefill-repeats` times; the run of median planning time is kept."""
+    make_request = request_factory()
+    cases = [PrefillCase("full attention", model_specs("full"), args.prefill_tokens,
+                         args.chunk_tokens, args.decode_tokens),
+             PrefillCase("sliding window 1024 + full", model_specs("hybrid"),
+                         args.prefill_tokens, args.chunk_tokens, args.decode_tokens)]
+    rows = []
+    for case in cases:
+        runs = sorted((plan_prefill(case, make_request, BLOCK)
+                       for _ in range(args.prefill_repeats)),
+                      key=lambda r: r["prefill_planning_ms"])
+        row = runs[len(runs) // 2]
+        row["prefill_planning_ms_runs"] = [r["prefill_planning_ms"] for r in runs]
+        rows.append(row)
+    return rows
+
+
+# --- tables ---
+
+def print_steps(result: dict) -> None:
+    steps = result["steps"]
+    print(f"\n[{result['label']}] per-step cost (ms), {steps['keys']:,} keys on disk, "
+          f"{steps['requests']} requests, model {steps['model']}, forward {steps['forward_ms']} "
+          f"ms ({steps['steps']} steps in {steps['wall_s']:.1f} s); wall = what the engine "
+          f"thread waited, cpu = its CPU time")
+    header = f"{'phase':13} {'side':9} {'steps':>5} {'wall p50':>9} {'p99':>8} {'max':>8} " \
+             f"{'>1ms':>5} {'cpu p50':>8} {'p99':>8} {'max':>8} {'sum':>9}"
+    print(header + "\n" + "-" * len(header))
+    for phase in ("first_steps", "steady_state"):
+        summary = steps[phase]
+        for side in ("scheduler", "worker", "ipc"):
+            w, c = summary[side], summary[f"{side}_cpu"]
+            print(f"{phase:13} {side:9} {summary['steps']:>5} {w['p50']:>9.3f} "
+                  f"{w['p99']:>8.3f} {w['max']:>8.1f} {w['over_1ms']:>5} {c['p50']:>8.3f} "
+                  f"{c['p99']:>8.3f} {c['max']:>8.1f} {c['sum']:>9.1f}")
+    for phase in ("first_steps", "steady_state"):
+        summary = steps[phase]
+        print(f"  {phase}: report keys p50 {summary['report_keys']['p50']:.0f} max "
+              f"{summary['report_keys']['max']:.0f}; per step: {summary['lookups']:.1f} "
+              f"lookups, {summary['loads']:.2f} loads, {summary['stored_blocks']:.0f} blocks "
+              f"stored, {summary['scheduled_tokens']:.0f} tokens; garbage collector: "
+              f"{summary['gc']['full_collections']} full collections, pauses "
+              f"{summary['gc']['pause_per_step']['sum']:.0f} ms in all (cpu "
+              f"{summary['gc']['pause_cpu_per_step']['sum']:.0f}), at most "
+              f"{summary['gc']['pause_per_step']['max']:.0f} ms in one step (cpu "
+              f"{summary['gc']['pause_cpu_per_step']['max']:.0f})")
+
+
+def print_calls(result: dict) -> None:
+    print(f"\n[{result['label']}] per call, wall ms p50 / p99 / max (cpu p99)")
+    for phase in ("first_steps", "steady_state"):
+        calls, cpu = result["steps"][phase]["calls"], result["steps"][phase]["calls_cpu"]
+        print(f"  {phase}: " + ", ".join(
+            f"{name} {c['p50']:.3f}/{c['p99']:.3f}/{c['max']:.1f} ({cpu[name]['p99']:.3f})"
+            for name, c in calls.items() if c["max"] > 0))
+
+
+def print_prefills(result: dict) -> None:
+    print(f"\n[{result['label']}] store planning of a long prefill (ms)")
+    header = f"{'case':28} {'blocks':>7} {'prefill':>9} {'(cpu)':>8} {'max step':>9} " \
+             f"{'decode':>8} {'lookup':>7} {'reports':>8}"
+    print(header + "\n" + "-" * len(header))
+    for r in result["prefill"]:
+        print(f"{r['case']:28} {r['blocks_planned']:>7} {r['prefill_planning_ms']:>9.2f} "
+              f"{r['prefill_planning_cpu_ms']:>8.2f} {r['max_step_ms']:>9.2f} "
+              f"{r['decode_planning_ms']:>8.2f} {r['lookup_ms']:>7.2f} "
+              f"{r['apply_reports_ms']:>8.2f}")
+
+
+def print_comparison(results: list[dict]) -> None:
+    names = [r["label"] for r in results]
+    print("\n" + "; ".join(f"[{i}] {name}" for i, name in enumerate(names)) +
+          "; ratio = [0] / [i]")
+    header = f"{'measure (ms)':50}" + "".join(f"{f'[{i}]':>10}" for i in range(len(results))) \
+        + "".join(f"{f'[0]/[{i}]':>9}" for i in range(1, len(results)))
+    print(header + "\n" + "-" * len(header))
+    for name, values in comparison_rows(results):
+        cells = "".join(f"{v:>10.3f}" for v in values)
+        ratios = "".join(f"{values[0] / v:>9.1f}" if v else f"{'n/a':>9}" for v in values[1:])
+        print(f"{name:50}{cells}{ratios}")
+
+
+def comparison_rows(results: list[dict]) -> list[tuple[str, list[float]]]:
+    rows = []
+    if all("steps" in r for r in results):
+        for phase, label in (("first_steps", "first steps"), ("steady_state", "steady")):
+            for side in ("scheduler", "worker"):
+                for kind, suffix in ((side, ""), (f"{side}_cpu", " cpu")):
+                    for stat in ("p50", "p99", "max", "sum"):
+                        rows.append((f"{label} {side}{suffix} {stat}",
+                                     [r["steps"][phase][kind][stat] for r in results]))
+    if all("prefill" in r for r in results):
+        for i, case in enumerate(results[0]["prefill"]):
+            for key, label in (("prefill_planning_ms", "total"),
+                               ("prefill_planning_cpu_ms", "total cpu"),
+                               ("max_step_ms", "max step")):
+                rows.append((f"prefill planning {label}, {case['case']}",
+                             [r["prefill"][i][key] for r in results]))
+    return rows
+
+
+# --- main ---
+
+def measure(args) -> dict:
+    tree = Path(kv_offload.__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no",
+                       "kv_offload"], capture_output=True, text=True).stdout.strip():
+        commit += "+changes"  # the tree's kv_offload differs from its commit
+    result = {"label": f"{commit or tree} ({API})", "tree": str(tree), "commit": commit,
+              "api": API}
+    if not args.skip_prefill:
+        result["prefill"] = run_prefills(args)
+        print_prefills(result)
+    if not args.skip_steps:
+        result["steps"] = run_steps(args)
+        print_steps(result)
+        print_calls(result)
+    return result
+
+
+def run_child(tree: str, argv: list[str]) -> dict:
+    """Measure `tree` in a fresh process (its own kv_offload on PYTHONPATH)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+        subprocess.run([sys.executable, __file__, *argv, "--json", str(out)], env=env,
+                       check=True, cwd=tmp)
+        return json.loads(out.read_text())["results"][0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--before", metavar="TREE", help="also measure this tree (e.g. a "
+                        "worktree of 2505ae9) and compare; each tree runs in its own child "
+                        "process, one after the other")
+    parser.add_argument("--after", metavar="TREE", nargs="+",
+                        default=[str(Path(__file__).resolve().parent.parent)],
+                        help="the trees compared with --before (default: this script's)")
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--model", choices=("full", "hybrid"), default="full")
+    parser.add_argument("--warmup-steps", type=int, default=150)
+    parser.add_argument("--steady-steps", type=int, default=300)
+    parser.add_argument("--forward-ms", type=float, default=20.0)
+    parser.add_argument("--batched-tokens", type=int, default=2048)
+    parser.add_argument("--engine-blocks", type=int, default=40_000, help="per group")
+    parser.add_argument("--host-mib", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=128 * 1024)
+    parser.add_argument("--chunk-tokens", type=int, default=2048)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--prefill-repeats", type=int, default=3)
+    parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-cap", type=int, help="key changes per worker report "
+                        "(sets worker_side.REPORT_MAX_KEYS for this run; default: the tree's)")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="do not freeze the start-up heap (vLLM's engine and GPU workers "
+                        "do, so the collector skips it)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    child_argv = _without(argv, ("--json", "--before", "--after"))
+    if args.before:
+        results = [run_child(tree, child_argv) for tree in [args.before, *args.after]]
+        print_comparison(results)
+    else:
+        results = [measure(args)]
+    if args.json:
+        meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                "load_average": os.getloadavg(), "argv": argv,
+                "goals_ms": {"step_p99": GOAL_STEP_P99_MS, "prefill_total": GOAL_PREFILL_MS}}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`argv` less these options and their values (all up to the next option)."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skipping = arg.split("=", 1)[0] in options
+            if skipping:
+                continue
+        if not skipping:
+            out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Which keys each worker rank holds, as the scheduler side learns from the ranks' reports.
+
+Contents:
+- `RankKeys`: per rank, where it holds each key (host memory or the storage tier); a key is
+  a hit only when every rank holds it (each rank holds its own shard).
+
+Every method costs what it is asked about: `apply` is O(changes reported), lookups O(ranks).
+
+Layout, for Python's garbage collector: per rank, per group, a dict of block hash (bytes)
+-> location code (int). The collector never tracks a dict that holds only bytes and ints,
+so a full collection skips these maps however many keys they hold. Keyed by `(hash, group)`
+tuples (each tracked when it is made) with `Location` values (tracked objects), the maps of
+a million keys were walked entry by entry at every full collection: ~50 ms each on a 2-core
+host, a pause of the engine's whole process. (`Location` members are not used as dict keys
+either: an Enum member's hash runs in Python code.)
+"""
+
+from __future__ import annotations
+
+from kv_offload.types import KeyChange, Location, OffloadKey
+
+_HOST, _STORAGE = 1, 2  # location codes held in the maps (absent keys are not held)
+_EMPTY: dict = {}  # (never written)
+
+
+class RankKeys:
+    """Per rank: block hash -> where it holds it, one map per KV-cache group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._ranks: dict[int, dict[int, dict[bytes, int]]] = {}
+
+    @property
+    def complete(self) -> bool:
+        """Whether every rank has reported at least once."""
+        return len(self._ranks) >= self.world_size
+
+    def apply(self, rank: int, changes: tuple[KeyChange, ...], reset: bool = False) -> None:
+        """One rank's report. `reset`: forget what it reported before (O(1): its maps are
+        replaced)."""
+        held = self._ranks.get(rank)
+        if held is None or reset:
+            held = self._ranks[rank] = {}
+        for change in changes:
+            block_hash, group = change.key
+            hashes = held.get(group)
+            if hashes is None:
+                hashes = held[group] = {}
+            location = change.location
+            if location is Location.ABSENT:
+                hashes.pop(block_hash, None)
+            else:
+                hashes[block_hash] = _HOST if location is Location.HOST else _STORAGE
+
+    def group_maps(self, group: int) -> list[dict[bytes, int]]:
+        """Every rank's map of `group`, for lookups in bulk (none until every rank has
+        reported: then nothing is held by all)."""
+        if not self.complete:
+            return []
+        return [held.get(group, _EMPTY) for held in self._ranks.values()]
+
+    def held_by_all(self, key: OffloadKey, where: Location | None = None) -> bool:
+        """Whether every rank holds `key` (in host memory, if `where` is HOST)."""
+        block_hash, group = key
+        codes = [held.get(block_hash) for held in self.group_maps(group)]
+        if not codes or None in codes:
+            return False
+        return where is None or all(code == (_HOST if where is Location.HOST else _STORAGE)
+                                    for code in codes)
+
+    @property
+    def num_keys(self) -> int:
+        """Keys some rank holds (tests and tools: O(keys))."""
+        return len({(block_hash, group) for held in self._ranks.values()
+                    for group, hashes in held.items() for block_hash in hashes})
