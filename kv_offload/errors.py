@@ -57,3 +57,17 @@ class EvictionPolicyError(ConfigError):
 
 class TransferError(KVOffloadError, ValueError):
     """A copy request with bad block or slot ids, or for a backend that cannot take it."""
+
+
+class ServingError(KVOffloadError, RuntimeError):
+    """A vLLM server that did not answer as its OpenAI-compatible API and vLLM's own
+    endpoints (/health, /tokenize, /metrics, /reset_prefix_cache) document."""
+
+
+class ServerStartError(ServingError):
+    """A vLLM server subprocess that exited, or never became healthy, while starting."""
+
+
+class ServeCheckInputError(KVOffloadError, ValueError):
+    """Arguments of `kv-offload serve-check` that cannot work against this server, or a
+    `--replay` record that is not one `--record` wrote."""
