@@ -13,14 +13,20 @@ distinct question per request appended to a document (request i asks about docum
 i mod D). C client tasks (the official `openai` async client, streaming) take requests in
 order until all R are done; when request R/2 is handed out, vLLM's own prefix cache is reset
 (`POST /reset_prefix_cache?reset_running_requests=true`: running requests are preempted and
-recomputed, so the reset happens under load). vLLM's cache is also small, so documents fall
+recomputed, so the reset happens under load; vLLM refuses it while a connector load is in
+flight, so it is retried until it succeeds). vLLM's cache is also small, so documents fall
 out of it during the run anyway.
 
 Checked, and the exit code is non-zero otherwise: zero failed requests on both servers, every
 completion's greedy tokens identical to the no-connector server's for the same request, both
 servers healthy at the end, and a clean shutdown (no engine process left behind). Logprobs
-are compared too, but only reported: batches differ between runs under concurrency and
-bfloat16 matmuls differ in the last bits with the batch shape, with or without a connector.
+are compared too, and reported: under concurrency the two servers batch differently, and a
+prompt continued from a cache is a shorter prefill than a recomputed one, so the last bits
+differ with or without a connector. The servers run in float32 for that reason: in bfloat16
+these one-ulp differences (about 0.008 in a logprob) flip greedy tokens wherever the random
+model's top two candidates tie within them (3 of 40 requests in a trial run, every flip at
+such a tie; `--dtype bfloat16` shows it, `--control` measures the noise between two
+servers without the connector).
 
 Reported per server: time to first token (p50, p99; streamed, client-side), throughput
 (requests/s, generated tokens/s), prompt tokens served from a cache, and for the connector
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -47,6 +54,7 @@ from kv_offload.serving.client import Completion, ServingClient, compare_outputs
 from kv_offload.serving.server import ServerSettings, VllmServer
 
 NUM_WORDS = 500  # the tiny models' vocabulary: "w0".."w499", one token each
+_RESET_GIVE_UP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -65,9 +73,12 @@ class LoadRun:
     results: list[RequestResult]
     reset: str
     healthy_after: bool
-    offload: dict[str, float] | None
+    counters: dict[str, Any]
+    """/metrics over the load: vLLM's own and connector hit tokens, the connector's counters."""
     shutdown_clean: bool
     shutdown: dict[str, Any]
+    load_average: tuple[float, float]
+    """1-minute load average of this machine before and after the load."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,10 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-size", choices=("tiny", "small"), default="small",
                         help="the demo's random-weight Llama-like model (default small)")
     parser.add_argument("--cache-dir", type=Path, help="where the model is built")
+    # float32 KV of the small model: 256 KiB per 32-token block, 8 MiB per document.
+    # Five documents (40 MiB) do not fit in vLLM's cache (24 MiB, running requests included),
+    # nor, with every request's own blocks stored too, in the host (16) or disk (48) tier.
     parser.add_argument("--vllm-cache-mib", type=int, default=24,
                         help="vLLM's own KV cache (--kv-cache-memory-bytes), MiB")
-    parser.add_argument("--host-tier-mib", type=int, default=12)
-    parser.add_argument("--disk-tier-mib", type=int, default=24, help="0: no disk tier")
+    parser.add_argument("--host-tier-mib", type=int, default=16)
+    parser.add_argument("--disk-tier-mib", type=int, default=48, help="0: no disk tier")
     parser.add_argument("--dtype", default="float32",
                         help="server dtype (default float32: see the module docstring)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -140,12 +154,21 @@ async def run_load(url: str, model: str, prompts: list[tuple[int, str]],
     began = time.perf_counter()
 
     async def reset() -> None:
+        # With reset_running_requests vLLM preempts what runs, but refuses (HTTP 500, "running
+        # requests waiting for remote KV transfer") while a connector load is in flight: retry.
+        tries, first_try = 0, time.perf_counter()
         async with httpx.AsyncClient(timeout=60) as http:
-            response = await http.post(f"{url}/reset_prefix_cache",
-                                       params={"reset_running_requests": "true"})
-        ok = response.status_code == 200 and response.json().get("success")
-        reset_outcome[0] = (f"at request {reset_at}, t={time.perf_counter() - began:.1f} s: "
-                            f"{'success' if ok else f'FAILED ({response.status_code})'}")
+            while True:
+                tries += 1
+                response = await http.post(f"{url}/reset_prefix_cache",
+                                           params={"reset_running_requests": "true"})
+                ok = response.status_code == 200 and response.json().get("success")
+                if ok or time.perf_counter() - first_try > _RESET_GIVE_UP_S:
+                    break
+                await asyncio.sleep(0.1)
+        reset_outcome[0] = (f"at request {reset_at}, t={first_try - began:.1f} s: "
+                            f"{'success' if ok else 'FAILED'} after {tries} attempt(s) in "
+                            f"{time.perf_counter() - first_try:.1f} s")
 
     async def worker() -> None:
         for i in next_index:  # one shared iterator: each request is taken exactly once
@@ -182,12 +205,31 @@ def run_server(mode: str, settings: ServerSettings, prompts: list[tuple[int, str
             client.complete(build_warmup(args), max_tokens=2, logprobs=1)
             print(f"[{mode}] {len(prompts)} requests from {args.clients} clients ...",
                   flush=True)
+            before, load_before = client.metrics(), os.getloadavg()[0]
             results, wall_s, reset = asyncio.run(run_load(server.url, model, prompts, args))
+            load_after = os.getloadavg()[0]
             healthy = client.health()
-            offload = client.metrics().offload
+            time.sleep(1.0)  # the last steps' stats reach /metrics
+            after = client.metrics()
         report = server.stop()
-    return LoadRun(mode, wall_s, results, reset, healthy,
-                   None if offload is None else asdict(offload), report.clean, asdict(report))
+    counters = {"local_hit_tokens": after.local_hit_tokens - before.local_hit_tokens,
+                "external_hit_tokens": after.external_hit_tokens - before.external_hit_tokens,
+                "offload": None}
+    if after.offload is not None:
+        delta = after.offload.since(before.offload)
+        counters["offload"] = {**asdict(delta), "hit_tokens": delta.hit_tokens}
+        counters["loaded_blocks"] = delta.loaded_bytes / page_bytes(settings)
+    return LoadRun(mode, wall_s, results, reset, healthy, counters, report.clean,
+                   asdict(report), (load_before, load_after))
+
+
+def page_bytes(settings: ServerSettings) -> int:
+    """KV bytes of one engine block of the served Llama-like model."""
+    config = json.loads((Path(settings.model) / "config.json").read_text())
+    head = config["hidden_size"] // config["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[settings.dtype]
+    return (config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head
+            * settings.block_size * dtype_bytes)
 
 
 def build_warmup(args: argparse.Namespace) -> str:
@@ -215,7 +257,8 @@ def summarise(run: LoadRun) -> dict[str, Any]:
         "ttft_p99_s": percentile(ttft, 99) if ttft else None,
         "prompt_tokens": prompt_tokens, "cached_tokens": cached,
         "reset": run.reset, "healthy_after": run.healthy_after,
-        "shutdown_clean": run.shutdown_clean, "offload": run.offload,
+        "shutdown_clean": run.shutdown_clean, "load_average": run.load_average,
+        **run.counters,
     }
 
 
@@ -273,6 +316,16 @@ def print_table(rows: list[dict[str, Any]], comparison: dict[str, Any],
     print(f"same greedy tokens as the no-connector server: {comparison['same_tokens']}/"
           f"{comparison['compared']} (max |logprob diff| {comparison['max_logprob_diff']:.3g})")
     for r in rows:
+        off = r["offload"]
+        line = (f"[{r['mode']}] clients saw {r['cached_tokens']} cached prompt tokens; vLLM "
+                f"counted {r['local_hit_tokens']:.0f} from its own cache + "
+                f"{r['external_hit_tokens']:.0f} from a connector")
+        if off is not None:
+            line += (f"; kv-offload counted {off['hit_tokens']:.0f} hit tokens ("
+                     f"{off['hit_tokens'] / 32:.0f} blocks) and loaded {r['loaded_blocks']:.0f}"
+                     f" blocks, {off['failed_load_blocks']:.0f} of them failed (recomputed)")
+        print(line)
+    for r in rows:
         print(f"[{r['mode']}] cache reset {r['reset']}; healthy after: "
               f"{'yes' if r['healthy_after'] else 'NO'}; clean shutdown: "
               f"{'yes' if r['shutdown_clean'] else 'NO'}")
@@ -309,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f"{r['mode']}: {r['errors']} failed requests" for r in rows if r["errors"]]
     problems += [f"{r['mode']}: unhealthy after the load" for r in rows if not r["healthy_after"]]
     problems += [f"{r['mode']}: unclean shutdown" for r in rows if not r["shutdown_clean"]]
+    problems += [f"{r['mode']}: vLLM's cache was not reset" for r in rows
+                 if "success" not in r["reset"]]
     if comparison["same_tokens"] != comparison["compared"]:
         problems.append(f"{len(comparison['mismatches'])} completions differ from the "
                         f"no-connector server's")
