@@ -45,7 +45,8 @@ class Model:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=["cpu", "filesystem"], default="cpu")
+    parser.add_argument("--backend", choices=["cpu", "filesystem", "valkey", "s3"],
+                        default="cpu")
     parser.add_argument("--model", choices=sorted(EXAMPLE_MODELS), default="llama-8b")
     parser.add_argument("--page-kib", type=int, default=None, metavar="N",
                         help="synthetic single-group model with N KiB pages (overrides --model)")
@@ -65,6 +66,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "(not tmpfs); chunks are --page-kib KiB (default 2048)")
     parser.add_argument("--chunks", type=int, default=256,
                         help="--backend filesystem: number of chunks written and read")
+    shared = parser.add_argument_group("--backend valkey|s3 (the filesystem tier runs the "
+                                       "same cells in --fs-root)")
+    shared.add_argument("--url", help="valkey: redis://HOST:PORT/DB (default: start a "
+                                      "loopback server)")
+    shared.add_argument("--endpoint-url", help="s3: the endpoint (default: moto on loopback)")
+    shared.add_argument("--bucket", help="s3: an existing bucket (with --endpoint-url)")
+    shared.add_argument("--value-mib", type=float, nargs="+", default=[1, 4, 16])
+    shared.add_argument("--connections", type=int, nargs="+", default=[1, 4, 8])
+    shared.add_argument("--total-mib", type=int, default=256,
+                        help="bytes written and read per cell (default 256)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -260,6 +271,13 @@ def _filesystem(args: argparse.Namespace) -> dict:
     return run_filesystem_bench(args.fs_root, (args.page_kib or 2048) * 1024, args.chunks)
 
 
+def _shared_store(args: argparse.Namespace) -> dict:
+    """A shared-store tier against the filesystem tier, same cells (prints its table)."""
+    from kv_offload.backends.tier_bench import run_shared_store_bench
+
+    return run_shared_store_bench(args)
+
+
 # Each backend runs, prints its table and returns the JSON result.
-BACKENDS: dict[str, Callable[[argparse.Namespace], dict]] = {"cpu": _cpu,
-                                                             "filesystem": _filesystem}
+BACKENDS: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "cpu": _cpu, "filesystem": _filesystem, "valkey": _shared_store, "s3": _shared_store}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kv_offload.errors import ConfigError
@@ -41,6 +41,11 @@ class OffloadConfig:
     """'lru', 'arc', or 'package.module:ClassName' for a custom policy."""
     fs_fsync: bool = False
     """fsync files and their directory after each write (durable across power loss)."""
+    storage_tier: str | None = None
+    """The secondary tier: 'filesystem', 'valkey', 's3' or 'package.module:ClassName'
+    (see kv_offload.backends); None: fs_root_dir decides."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Settings of storage_tier, checked by that tier (unknown options are refused)."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
         """The offloaded chunk size in tokens, validated against the engine's block size."""
@@ -113,4 +118,31 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         if not isinstance(extra["fs_fsync"], bool):
             raise ConfigError(f"fs_fsync must be true or false, got {extra['fs_fsync']!r}")
         values["fs_fsync"] = extra["fs_fsync"]
-    return OffloadConfig(**values)
+    values.update(_parse_storage_tier(extra))
+    config = OffloadConfig(**values)
+    from kv_offload.backends import check_storage_config  # (lazy: tiers import their clients)
+
+    check_storage_config(config)  # the tier's own options, at start-up, connecting nowhere
+    return config
+
+
+def _parse_storage_tier(extra: Mapping[str, Any]) -> dict[str, Any]:
+    tier, options = extra.get("storage_tier"), extra.get("storage_options")
+    if tier is None:
+        if options is not None:
+            raise ConfigError("storage_options is set but storage_tier is not; set "
+                              "storage_tier to 'filesystem', 'valkey', 's3' or "
+                              "'package.module:ClassName'")
+        return {}
+    if not isinstance(tier, str) or not tier:
+        raise ConfigError(f"storage_tier must be a tier name or 'package.module:ClassName', "
+                          f"got {tier!r}")
+    if "fs_root_dir" in extra:
+        raise ConfigError(f"fs_root_dir and storage_tier={tier!r} both choose the secondary "
+                          f"tier; keep one (storage_tier 'filesystem' takes root_dir and "
+                          f"bytes_to_use in storage_options)")
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(f"storage_options must be a dict with string keys, got {options!r}")
+    return {"storage_tier": tier, "storage_options": dict(options)}

@@ -59,6 +59,10 @@ class TransferError(KVOffloadError, ValueError):
     """A copy request with bad block or slot ids, or for a backend that cannot take it."""
 
 
+class CudaCallError(KVOffloadError, RuntimeError):
+    """A CUDA runtime call made by the copier failed (the job fails; the engine recomputes)."""
+
+
 class ServingError(KVOffloadError, RuntimeError):
     """A vLLM server that did not answer as its OpenAI-compatible API and vLLM's own
     endpoints (/health, /tokenize, /metrics, /reset_prefix_cache) document."""

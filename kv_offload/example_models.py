@@ -120,15 +120,17 @@ def build_example(
     *,
     layout: str = "LBNHC",
     kernel_block_size: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> ExampleModel:
     """Allocate an example model's kv_caches exactly as vLLM 0.32 would.
 
     `kernel_block_size` (default: the model's entry in KERNEL_BLOCK_SIZES) splits
-    attention blocks into kernel blocks; Mamba groups are never split."""
+    attention blocks into kernel blocks; Mamba groups are never split. `device="meta"`
+    gives the shapes and strides without memory (benchmarks of address planning)."""
     if name not in EXAMPLE_MODELS:
         raise KeyError(f"unknown example model {name!r}; choose from {sorted(EXAMPLE_MODELS)}")
     groups = group_layers(EXAMPLE_MODELS[name]())
     kernel = kernel_block_size or KERNEL_BLOCK_SIZES.get(name)
     kernels = [None if isinstance(g.spec, MambaSpec) else kernel for g in groups]
-    buffer, caches = allocate_kv_caches(groups, num_blocks, layout, kernels)
+    buffer, caches = allocate_kv_caches(groups, num_blocks, layout, kernels, device)
     return ExampleModel(name, caches, groups, num_blocks, buffer, layout)

@@ -163,31 +163,57 @@ def blocks_worth_storing(
     for sliding window (blocks far from every hit point are dropped), the last
     block before each hit point for Mamba. The caller still skips blocks the
     engine has already freed (vLLM nulls sliding-window blocks outside the
-    window and Mamba blocks without a state), whose bytes are gone."""
-    if not isinstance(num_blocks, int) or num_blocks < 0:
-        raise HitLookupError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-    block_size = spec.block_size
-    align = block_size if alignment_tokens is None else alignment_tokens
-    if not isinstance(align, int) or align <= 0 or align % block_size:
-        raise HitLookupError(
-            f"alignment_tokens must be a positive multiple of the block size "
-            f"{block_size}, got {alignment_tokens!r}"
-        )
-    rule_spec = _rule_spec(spec)
-    rule = (registry or default_registry).rules_for(rule_spec).hit_rule
-    step = align // block_size
-    spans: list[tuple[int, int]] = []
-    for hit_point in range(step, num_blocks + 1, step):
-        blocks = rule.blocks_to_load(rule_spec, hit_point)
-        if isinstance(blocks, range) and blocks.step == 1:
-            spans.append((blocks.start, blocks.stop))
-        else:  # an out-of-tree rule may skip blocks
-            spans.extend((b, b + 1) for b in blocks)
-    worth: list[int] = []
-    covered = 0  # blocks below this index are decided
-    for start, stop in sorted(spans):
-        start, stop = max(start, covered, 0), min(stop, num_blocks)
-        if start < stop:
-            worth.extend(range(start, stop))
-            covered = stop
-    return worth
+    window and Mamba blocks without a state), whose bytes are gone.
+    A growing request should use `StoreFrontier`, which returns only what is new."""
+    return sorted(StoreFrontier(spec, alignment_tokens=alignment_tokens,
+                                registry=registry).advance(num_blocks))
+
+
+class StoreFrontier:
+    """`blocks_worth_storing` for one group of one growing request, incrementally:
+    `advance(n)` returns the blocks that became worth storing since the last call (each
+    block once, in no particular order). Work over the request's life is linear in its
+    blocks, plus one window per hit point for windowed rules, instead of re-deciding
+    every block at every step.
+
+    Blocks below `frontier` are all decided; decided blocks above it are remembered
+    until the frontier passes them, so a rule loading a prefix (full attention) costs
+    only its new blocks, and a windowed rule one window per hit point."""
+
+    def __init__(self, spec: KVCacheSpec, *, alignment_tokens: int | None = None,
+                 registry: KVCacheSpecRegistry | None = None) -> None:
+        block_size = spec.block_size
+        align = block_size if alignment_tokens is None else alignment_tokens
+        if not isinstance(align, int) or align <= 0 or align % block_size:
+            raise HitLookupError(
+                f"alignment_tokens must be a positive multiple of the block size "
+                f"{block_size}, got {alignment_tokens!r}"
+            )
+        self._spec = _rule_spec(spec)
+        self._rule = (registry or default_registry).rules_for(self._spec).hit_rule
+        self._step = align // block_size
+        self._next_hit_point = self._step  # in blocks
+        self.frontier = 0
+        self._decided: set[int] = set()  # decided blocks at or above the frontier
+
+    def advance(self, num_blocks: int) -> list[int]:
+        """Blocks newly worth storing now that the request has `num_blocks` full blocks."""
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise HitLookupError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        new: list[int] = []
+        decided = self._decided
+        while self._next_hit_point <= num_blocks:
+            blocks = self._rule.blocks_to_load(self._spec, self._next_hit_point)
+            if isinstance(blocks, range) and blocks.step == 1:
+                candidates = range(max(blocks.start, self.frontier, 0), blocks.stop)
+            else:  # an out-of-tree rule may skip blocks
+                candidates = [b for b in blocks if b >= self.frontier]
+            for block in candidates:
+                if block not in decided:
+                    decided.add(block)
+                    new.append(block)
+            while self.frontier in decided:
+                decided.discard(self.frontier)
+                self.frontier += 1
+            self._next_hit_point += self._step
+        return new

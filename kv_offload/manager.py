@@ -24,6 +24,7 @@ anew (a plan skips it), so one key never has two slots.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,9 +32,10 @@ from enum import Enum
 from typing import Literal
 
 from kv_offload.errors import EvictionPolicyError, OffloadStateError
-from kv_offload.policies import EvictionPolicy, make_policy
+from kv_offload.policies import EvictionPolicy, LRUPolicy, make_policy
+from kv_offload.types import OffloadKey
 
-OffloadKey = tuple[bytes | int, int]  # (block hash, KV-cache group index)
+logger = logging.getLogger(__name__)
 
 
 class KeyState(Enum):
@@ -89,6 +91,7 @@ class OffloadManager:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._num_evictable = 0  # READY, unpinned, not dropped
         self._events: list[OffloadEvent] = []
+        self.policy_failures = 0  # plug-in policies replaced by LRU after a fault
 
     # --- queries ---
 
@@ -110,6 +113,11 @@ class OffloadManager:
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Ready keys that a store could evict now (not pinned, not being written)."""
+        return self._num_evictable
 
     def __len__(self) -> int:
         """Keys that are READY or STORING (visible ones)."""
@@ -160,7 +168,7 @@ class OffloadManager:
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None and entry.ready and not entry.dropped:
-                self.policy.touched(key)
+                self._ask_policy("touched", key)
 
     # --- stores ---
 
@@ -178,15 +186,21 @@ class OffloadManager:
             protected_evictable = sum(1 for key in present if self._is_evictable(key))
             if self._num_evictable - protected_evictable < shortfall:
                 return None
-        self.policy.admitting(new)
+        self._ask_policy("admitting", new)
         victims: list[OffloadKey] = []
         if shortfall > 0:
             protected = set(present)
-            victims = self.policy.evict(
-                new[len(new) - shortfall:],
-                lambda key: key not in protected and self._is_evictable(key),
-            )
-            self._check_victims(victims, shortfall, protected)
+            def can_evict(key: OffloadKey) -> bool:
+                return key not in protected and self._is_evictable(key)
+
+            incoming = new[len(new) - shortfall:]
+            victims = self._ask_policy("evict", incoming, can_evict)
+            try:
+                self._check_victims(victims, shortfall, protected)
+            except EvictionPolicyError as exc:  # a plug-in broke its contract: fall back
+                self._replace_policy(exc)
+                victims = self.policy.evict(incoming, can_evict)
+                self._check_victims(victims, shortfall, protected)
             for key in victims:
                 self._num_evictable -= 1
                 self._release(key)
@@ -214,7 +228,7 @@ class OffloadManager:
             if success and not entry.dropped:
                 entry.ready = True
                 self._num_evictable += 1
-                self.policy.inserted(key)
+                self._ask_policy("inserted", key)
                 stored.append(key)
             else:
                 self._release(key)
@@ -236,7 +250,7 @@ class OffloadManager:
             else:
                 self._release(key)
         self._num_evictable = 0
-        self.policy.reset()
+        self._ask_policy("reset")
         self._emit("removed", removed)
 
     def take_events(self) -> list[OffloadEvent]:
@@ -270,6 +284,25 @@ class OffloadManager:
                 f"{needed} slot(s); expected {needed} distinct ready, unpinned keys outside "
                 f"the store"
             )
+
+    def _ask_policy(self, method: str, *args):
+        """Call the eviction policy; a plug-in that raises is replaced by LRU over the
+        ready keys (logged once), so a buggy policy costs hit rate, never the tier."""
+        try:
+            return getattr(self.policy, method)(*args)
+        except Exception as exc:
+            self._replace_policy(exc)
+            return getattr(self.policy, method)(*args)
+
+    def _replace_policy(self, error: Exception) -> None:
+        logger.error("kv-offload tier %r: eviction policy %s failed (%s: %s); using lru "
+                     "from now on", self.tier, type(self.policy).__name__,
+                     type(error).__name__, error)
+        self.policy_failures += 1
+        self.policy = LRUPolicy(self.num_slots)
+        for key, entry in self._entries.items():
+            if entry.ready and not entry.dropped:
+                self.policy.inserted(key)
 
     def _emit(self, kind: Literal["stored", "removed"], keys: list[OffloadKey]) -> None:
         if keys and self._record_events:

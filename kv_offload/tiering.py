@@ -1,187 +1,209 @@
-"""TieredStore: the host-memory tier in front of an optional storage tier (disk).
+"""TieredStore: the host-memory tier in front of an optional storage tier (disk, servers).
 
-Stores land in host slots (CpuBackend) and are then written through to the
-storage tier in the background; host eviction therefore loses nothing the
-storage tier holds. A key found only in the storage tier is first read into a
-host slot, then loaded into the engine like any host hit. Every job ends with a
-`TieredResult` that names the engine blocks whose bytes did not arrive: the
-engine recomputes those, nothing else is affected.
+Stores land in host slots (CpuBackend) and are then written through to the storage tier
+in the background; host eviction therefore loses nothing the storage tier holds. A key
+found only in the storage tier is read into a host slot, then copied into the engine like
+a host hit. A load larger than the host tier is staged: its storage keys are read in
+batches of at most `staging_slots`, each batch copied into the engine and released before
+the next, so the storage tier's capacity, not the host tier's, bounds what can be served.
+A store larger than the host room is staged the same way (`tiering_stores`): copied a piece
+at a time as write-throughs of earlier pieces free host slots, so it reaches the storage
+tier whole.
 
-Driven from one thread (the connector's worker side): submit jobs, then `poll`.
+Every job ends with exactly one `TieredResult` that names the engine blocks whose bytes
+did not arrive; the engine recomputes those and nothing else is affected. Exactly once,
+whatever order failures arrive in: a job id is delivered only while it is open
+(`_finish`), so a late piece of a job that already failed is absorbed, never re-reported.
+Nothing here raises into the caller after construction: a fault in the bookkeeping of
+one job (a plug-in eviction policy, a tier that raises on submit or poll) fails that job,
+is counted in `faults`, and is logged once per episode.
+
+What the tiers hold is tracked in a `KeyView` (host events, the storage tier's change
+feed, our write-throughs and failed reads); `take_changes` drains it in bounded batches.
+
+Driven from one thread at a time (the connector's worker lock): submit jobs, then `poll`.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kv_offload.backends.base import StorageTier
+from kv_offload.backends.base import StorageTier, TierStats
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig
-from kv_offload.manager import OffloadKey, OffloadManager
+from kv_offload.faults import FaultLog
+from kv_offload.kernels.runtime import EngineReady
+from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
+from kv_offload.manager import OffloadManager
+from kv_offload.tiering_jobs import (
+    Load,
+    Read,
+    Store,
+    StorePiece,
+    TieredResult,
+    TierUsage,
+    WriteThrough,
+    targets_of,
+)
+from kv_offload.tiering_loads import LoadPipeline
+from kv_offload.tiering_stores import StorePipeline
+from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
-# {group: (block hashes, engine block ids)}; pair i is hash i <-> block i.
-Requests = Mapping[int, tuple[Sequence[bytes | int], Sequence[int]]]
-
-
-class Location(enum.Enum):
-    HOST = "host"  # ready in a host slot
-    STORAGE = "storage"  # only in the storage tier: loading reads it into a slot first
-    ABSENT = "absent"
-
-
-@dataclass(frozen=True)
-class TieredResult:
-    """The outcome of one store or load. `failed` maps group -> engine block ids whose
-    bytes did not arrive (load: recompute them; store: they were not offloaded)."""
-
-    job_id: int
-    kind: str  # "store" | "load"
-    success: bool
-    failed: dict[int, list[int]] = field(default_factory=dict)
-    from_storage: int = 0  # load: keys read from the storage tier (the rest came from host)
-    no_room: bool = False  # store: skipped whole, the host tier could not make room
+ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
+FILE_FORMAT_VERSION = 2  # bump when stored bytes or keys change meaning (joins the fingerprint)
 
 
 def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
     """A stable name for the page layout (plus e.g. model, TP size and rank in `extra`):
-    bytes stored under one fingerprint are never served to another."""
-    return xxhash.xxh3_64_hexdigest(repr((canonical.layout_signature(), extra)).encode())
+    bytes stored under one fingerprint are never served to another. The file-format
+    version and every group's ordered layer names are part of it, so a change in
+    canonical ordering can never serve permuted pages as valid."""
+    layers = [[ref.layer_name for ref in refs] for refs in canonical.group_refs]
+    return xxhash.xxh3_64_hexdigest(
+        repr((FILE_FORMAT_VERSION, canonical.layout_signature(), layers, extra)).encode())
 
 
-def storage_key(key: OffloadKey) -> bytes:
-    """The storage tier's opaque key for (block hash, group)."""
-    block_hash, group = key
-    if isinstance(block_hash, int):
-        block_hash = block_hash.to_bytes(32, "little", signed=block_hash < 0)
-    return bytes(block_hash) + group.to_bytes(2, "little")
-
-
-def offload_key(key: bytes) -> tuple[bytes, int]:
-    """The inverse of `storage_key` (block hashes come back as bytes)."""
-    return key[:-2], int.from_bytes(key[-2:], "little")
-
-
-@dataclass
-class _Load:
-    """A load in flight: which blocks each key fills, and what is pinned."""
-
-    job_id: int
-    targets: dict[OffloadKey, list[int]]  # key -> engine block ids
-    pinned: list[OffloadKey] = field(default_factory=list)
-    failed: list[OffloadKey] = field(default_factory=list)
-    from_storage: int = 0
-
-
-class TieredStore:
+class TieredStore(LoadPipeline, StorePipeline):
     """Host slots (with their manager) in front of an optional `StorageTier`."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
                  storage: StorageTier | None = None, eviction_policy: str = "lru",
-                 pin: bool | None = None) -> None:
+                 pin: bool | None = None, read_timeout_s: float = 30.0,
+                 staging_slots: int | None = None, store_stage_timeout_s: float = 1.0) -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
+        self.read_timeout_s = read_timeout_s
+        self.store_stage_timeout_s = store_stage_timeout_s
+        self.staging_slots = staging_slots or max(1, self.cpu.num_slots // 4)
+        self.faults = FaultLog("kv-offload tiers")
+        self.view = KeyView()
+        self._generation = FIRST_GENERATION
         self._ids = itertools.count(1)
-        self._cpu_jobs: dict[int, tuple[str, object]] = {}  # cpu job -> (kind, state)
-        self._storage_jobs: dict[int, tuple[str, object]] = {}
+        self._open: set[int] = set()  # jobs whose result is not delivered yet
+        self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
+        self._stores: dict[int, Store] = {}  # stores whose result is not delivered yet
+        self._staged_stores: dict[int, Store] = {}  # stores waiting for host room
+        self._storage_jobs: dict[int, Read | WriteThrough] = {}
+        self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
+        self._key_failures: Counter[str] = Counter()  # "read"/"write" -> storage keys failed
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str) -> TieredStore:
-        storage = None
-        if config.fs_root_dir is not None:
-            from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+        from kv_offload.backends import make_storage_tier
 
-            storage = FilesystemTier(FilesystemTierConfig(
-                root_dir=config.fs_root_dir, layout_fingerprint=fingerprint,
-                bytes_to_use=config.fs_bytes_to_use, fsync=config.fs_fsync))
+        storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
                    eviction_policy=config.eviction_policy)
 
+    # --- queries (memory only) ---
+
     def lookup(self, keys: Sequence[OffloadKey]) -> list[Location]:
-        """Where each key can be loaded from (never touches the disk)."""
-        on_host = [self.manager.is_ready(k) for k in keys]
-        missing = [k for k, hit in zip(keys, on_host) if not hit]
-        stored = iter(self.storage.lookup([storage_key(k) for k in missing])
-                      if self.storage and missing else [])
-        return [Location.HOST if hit else (Location.STORAGE if next(stored, False)
-                                           else Location.ABSENT) for hit in on_host]
+        """Where each key can be loaded from (never touches the storage tier)."""
+        return [Location.HOST if self.manager.is_ready(k) else
+                Location.STORAGE if self.view.in_storage(k) else Location.ABSENT for k in keys]
 
-    def storage_keys(self) -> list[tuple[bytes, int]] | None:
-        """Every key the storage tier holds, or None (no storage tier, or one that cannot
-        list its keys)."""
-        keys = self.storage.keys() if self.storage is not None else None
-        return None if keys is None else [offload_key(k) for k in keys]
+    def take_changes(self, max_keys: int) -> KeyChanges:
+        """Keys whose location changed since the last call, at most `max_keys` (O(changes))."""
+        self._absorb_host_events()
+        return self.view.take(max_keys)
 
-    def submit_store(self, requests: Requests) -> int:
-        """Copy engine blocks into host slots (then write through). Keys already held
-        are skipped; when no room can be made the store is skipped (success=False)."""
-        job_id = next(self._ids)
-        targets = _targets(requests)
-        plan = self.manager.prepare_store(list(targets))
-        if plan is None:
-            self._done.append(TieredResult(job_id, "store", False, _blocks_of(targets),
-                                           no_room=True))
-            return job_id
-        if not plan.keys:
-            self._done.append(TieredResult(job_id, "store", True))
-            return job_id
-        # A key listed twice is stored once, from its first block.
-        firsts = {k: targets[k][:1] for k in plan.keys}
-        cpu_job = self.cpu.submit_store(_transfers(plan.keys, plan.slots, firsts))
-        self._cpu_jobs[cpu_job] = ("store", (job_id, plan.keys, targets))
-        return job_id
+    def usage(self) -> TierUsage:
+        """Host slots in use (O(1)) and the storage tier's own statistics."""
+        cpu = self.cpu
+        used = (cpu.num_slots - self.manager.num_free_slots) * cpu.slot_bytes
+        storage = self._guarded("storage stats", self.storage.stats, TierStats()) \
+            if self.storage is not None else TierStats()
+        return TierUsage(used, cpu.num_slots * cpu.slot_bytes, storage)
 
-    def submit_load(self, requests: Requests) -> int:
-        """Fill engine blocks from host slots, reading storage-only keys into slots first."""
-        load = _Load(next(self._ids), _targets(requests))
-        keys = list(load.targets)
-        where = self.lookup(keys)
-        on_host = [k for k, w in zip(keys, where) if w is Location.HOST]
-        in_storage = [k for k, w in zip(keys, where) if w is Location.STORAGE]
-        load.failed = [k for k, w in zip(keys, where) if w is Location.ABSENT]
-        self.manager.prepare_load(on_host)
-        load.pinned = on_host
-        self.manager.touch(on_host)
-        plan = self.manager.prepare_store(in_storage) if in_storage else None
-        if plan is None or not plan.keys:
-            load.failed += in_storage  # no room for them (or raced): recompute
-            self._load_from_host(load)
-            return load.job_id
-        load.failed += list(plan.already_present)
-        buffers = [self.cpu.slot_buffer(slot, key[1]) for key, slot in zip(plan.keys, plan.slots)]
-        read = self.storage.submit_read([storage_key(k) for k in plan.keys], buffers)
-        self._storage_jobs[read] = ("read", (load, plan.keys))
+    def take_key_failures(self) -> dict[str, int]:
+        """Storage keys whose read or write failed since the last call (for metrics)."""
+        failures, self._key_failures = dict(self._key_failures), Counter()
+        return failures
+
+    # --- jobs ---
+
+    def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+        """Copy engine blocks into host slots (then write through). Keys already held are
+        skipped. A store larger than the host room is staged (`tiering_stores`): the job
+        ends once every key is in a slot; keys that cannot get room are `skipped`. On a
+        GPU every piece's copy waits for `ready` (an event on the engine's stream after the
+        forward that wrote the blocks; `CpuBackend.engine_ready()`), also pieces submitted
+        later from the pump, so the CPU never waits for the forward."""
+        store = Store(self._new_job(), {}, time.monotonic(), ready=ready)
+        self._stores[store.job_id] = store
+        try:
+            store.targets = targets_of(requests)
+            store.waiting = list(store.targets)
+            self._stage_store(store)
+        except Exception as exc:  # e.g. a plug-in eviction policy: skip the rest
+            self.faults.failed("store planning", exc)
+            store.failed += store.waiting
+            store.waiting = []
+            self._staged_stores.pop(store.job_id, None)
+        self._finish_store_if_done(store)
+        return store.job_id
+
+    def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+        """Fill engine blocks from host slots, reading storage-only keys into slots first.
+        On a GPU every copy into the engine waits for `ready` (recorded on the engine's
+        stream when the load was planned: it orders them after vLLM's own work on those
+        blocks, even for pieces submitted later from another thread)."""
+        load = Load(self._new_job(), {}, time.monotonic(), ready=ready)
+        try:
+            load.targets = targets_of(requests)
+            keys = list(load.targets)
+            where = self.lookup(keys)
+            on_host = [k for k, w in zip(keys, where) if w is Location.HOST]
+            load.waiting = [k for k, w in zip(keys, where) if w is Location.STORAGE]
+            load.failed = [k for k, w in zip(keys, where) if w is Location.ABSENT]
+            self._copy_to_engine(load, on_host)
+            self.manager.touch(on_host)
+            self._stage(load)
+        except Exception as exc:
+            self.faults.failed("load planning", exc)
+            self._fail_load(load)
+        self._finish_load_if_done(load)
         return load.job_id
 
+    def abandon_store(self, job_id: int) -> None:
+        """The engine may overwrite this store's blocks before its copy ends: whatever it
+        copies is discarded (failed), and no further piece is copied, so no torn block is
+        ever served."""
+        store = self._stores.get(job_id)
+        if store is not None:
+            self._abandon(store)
+
     def poll(self) -> list[TieredResult]:
-        """Advance every job; return the results finished since the last call."""
-        for result in self.cpu.poll():
-            kind, state = self._cpu_jobs.pop(result.job_id)
-            if kind == "store":
-                self._store_copied(state, result.success)
-            else:
-                self._load_copied(state, result.success)
+        """Advance every job; return the results finished since the last call. Never raises."""
+        for result in self._guarded("host copy results", self.cpu.poll, []):
+            record = self._cpu_jobs.pop(result.job_id, None)
+            if record is not None:
+                self._guarded("host copy bookkeeping", lambda r=record, s=result.success:
+                              self._host_copied(r, s), None, fail=record)
         if self.storage is not None:
-            for result in self.storage.poll():
-                kind, state = self._storage_jobs.pop(result.job_id)
-                if kind == "read":
-                    self._read_done(state, result.succeeded)
-                else:
-                    self.manager.complete_load(list(state))  # written through: unpin
+            for result in self._guarded("storage poll", self.storage.poll, []):
+                record = self._storage_jobs.pop(result.job_id, None)
+                if record is not None:
+                    self._guarded("storage results", lambda r=record, t=result:
+                                  self._storage_done(r, t.succeeded), None, fail=record)
+        self._guarded("staging", self._advance_staged, None)
+        self._guarded("store staging", self._advance_staged_stores, None)
+        self._guarded("storage change feed", self._absorb_storage_changes, None)
         done, self._done = self._done, []
         return done
 
     def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[TieredResult]:
-        """Poll until these jobs finished; their results, in order (others stay queued)."""
+        """Poll until these jobs finished; their results, in order (others stay queued for
+        `poll`). For callers that can block (tools, tests); raises TimeoutError."""
         wanted, found = set(job_ids), {}
         deadline = time.monotonic() + timeout
         while wanted - found.keys():
@@ -196,100 +218,97 @@ class TieredStore:
             time.sleep(0.0005)
         return [found[j] for j in job_ids]
 
-    def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every write-through has finished (e.g. before shutdown)."""
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every job, write-throughs included, has finished (e.g. before
+        shutdown); their results stay queued for `poll`. False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._storage_jobs or self._cpu_jobs:
+        while self._storage_jobs or self._cpu_jobs or self._staged or self._staged_stores:
             finished = self.poll()  # (poll swaps self._done: read it only afterwards)
             self._done.extend(finished)
             if time.monotonic() > deadline:
-                raise TimeoutError("write-through did not finish in time")
+                return False
             time.sleep(0.001)
+        return True
 
-    def reset(self, *, storage_too: bool = False) -> None:
-        """Forget everything in host memory (loads in progress finish with the old bytes).
-        `storage_too` also waits for pending write-throughs and then empties the storage
-        tier, if it can be emptied (`clear`): e.g. after new weights, nothing may be served."""
-        if storage_too and self.storage is not None:
-            self.flush()
+    def reset(self) -> None:
+        """Forget everything: host slots at once (loads in progress finish with the old
+        bytes), storage keys by starting a new generation (no file is deleted and nothing
+        waits: other engines may share the storage; old keys age out under its budget)."""
         self.manager.reset()
-        if storage_too and self.storage is not None:
-            self.storage.clear()
+        self.manager.take_events()
+        self._generation = new_generation()
+        self.view.reset()
 
     def close(self) -> None:
         self.cpu.close()
         if self.storage is not None:
             self.storage.close()
 
-    def _store_copied(self, state, success: bool) -> None:
-        job_id, keys, targets = state
-        self.manager.complete_store(list(keys), success)
-        failed = {} if success else _blocks_of({k: targets[k] for k in keys})
-        self._done.append(TieredResult(job_id, "store", success, failed))
-        if success and self.storage is not None:
-            present = self.storage.lookup([storage_key(k) for k in keys])
-            todo = [k for k, held in zip(keys, present)
-                    if not held and self.manager.is_ready(k)]  # (a reset may have dropped it)
-            if todo:  # pin the slots until their bytes are on disk
-                slots = self.manager.prepare_load(todo)
-                buffers = [self.cpu.slot_buffer(s, k[1]) for k, s in zip(todo, slots)]
-                write = self.storage.submit_write([storage_key(k) for k in todo], buffers)
-                self._storage_jobs[write] = ("write", todo)
+    # --- internals: plumbing ---
 
-    def _read_done(self, state, succeeded) -> None:
-        load, keys = state
-        ok = [k for k, good in zip(keys, succeeded) if good]
-        bad = [k for k, good in zip(keys, succeeded) if not good]
-        self.manager.complete_store(bad, False)
-        self.manager.complete_store(ok, True)
-        lost = [k for k in ok if not self.manager.is_ready(k)]  # a reset dropped them mid-read
-        ok = [k for k in ok if self.manager.is_ready(k)]
-        bad += lost
-        self.manager.prepare_load(ok)
-        load.pinned += ok
-        load.from_storage = len(ok)
-        load.failed += bad
-        self._load_from_host(load)
+    def _new_job(self) -> int:
+        job_id = next(self._ids)
+        self._open.add(job_id)
+        return job_id
 
-    def _load_from_host(self, load: _Load) -> None:
-        if not load.pinned:
-            self._load_copied(load, True)
+    def _finish(self, result: TieredResult) -> None:
+        """Deliver a job's result, once: a job already delivered is not delivered again."""
+        if result.job_id in self._open:
+            self._open.discard(result.job_id)
+            self._done.append(result)
+
+    def _submit_cpu(self, record, direction: Direction, moves,
+                    ready: EngineReady | None = None) -> None:
+        self._cpu_jobs[self.cpu.submit(direction, moves, ready)] = record
+
+    def _host_copied(self, record, success: bool) -> None:
+        if isinstance(record, StorePiece):
+            self._piece_copied(record, success)
+        else:
+            self._load_copied(*record, success)
+
+    def _storage_done(self, record: Read | WriteThrough, succeeded: Sequence[bool]) -> None:
+        if isinstance(record, Read):
+            self._read_done(record, succeeded)
+        else:
+            self._write_done(record, succeeded)
+
+    def _absorb_host_events(self) -> None:
+        for event in self.manager.take_events():
+            (self.view.host_added if event.kind == "stored" else
+             self.view.host_removed)(event.keys)
+
+    def _absorb_storage_changes(self) -> None:
+        """Take a bounded batch of the storage tier's change feed into the view (each
+        poll: a start-up inventory of a million keys streams in over a few seconds
+        without holding the caller's lock for long)."""
+        if self.storage is None:
             return
-        slots = [self.manager.slot_of(k) for k in load.pinned]
-        cpu_job = self.cpu.submit_load(_transfers(load.pinned, slots, load.targets))
-        self._cpu_jobs[cpu_job] = ("load", load)
+        changes = self.storage.take_changes(ABSORB_PER_POLL)
+        generation = self._generation
+        added = (offload_key(k, generation) for k in changes.added)
+        removed = (offload_key(k, generation) for k in changes.removed)
+        self.view.storage_added([k for k in added if k is not None])
+        self.view.storage_removed([k for k in removed if k is not None])
 
-    def _load_copied(self, load: _Load, success: bool) -> None:
-        self.manager.complete_load(load.pinned)
-        failed_keys = load.failed + ([] if success else load.pinned)
-        failed = _blocks_of({k: load.targets[k] for k in failed_keys})
-        self._done.append(TieredResult(load.job_id, "load", not failed, failed,
-                                       load.from_storage))
+    def _guarded(self, where: str, fn: Callable, default, *, fail=None):
+        """Run one step of the pipeline; a fault is contained: counted, logged once per
+        episode, and the job it belongs to (`fail`) ends as failed."""
+        try:
+            value = fn()
+        except Exception as exc:
+            self.faults.failed(where, exc)
+            if fail is not None:
+                self._fail_record(fail)
+            return default
+        self.faults.succeeded(where)
+        return value
 
+    def _fail_record(self, record) -> None:
+        if isinstance(record, StorePiece):
+            self._fail_store(record.store)
+        elif isinstance(record, Read | tuple):
+            load = record.load if isinstance(record, Read) else record[0]
+            self._fail_load(load)
+            self._finish_load_if_done(load)
 
-def _targets(requests: Requests) -> dict[OffloadKey, list[int]]:
-    targets: dict[OffloadKey, list[int]] = {}
-    for group, (hashes, block_ids) in requests.items():
-        if len(hashes) != len(block_ids):
-            raise ValueError(f"group {group}: {len(hashes)} hashes but {len(block_ids)} blocks")
-        for block_hash, block in zip(hashes, block_ids):
-            targets.setdefault((block_hash, group), []).append(int(block))
-    return targets
-
-
-def _transfers(keys, slots, targets) -> dict[int, tuple[list[int], list[int]]]:
-    """CpuBackend transfers: every target block of each key paired with its slot."""
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    for key, slot in zip(keys, slots):
-        blocks, slot_ids = out.setdefault(key[1], ([], []))
-        for block in targets[key]:
-            blocks.append(block)
-            slot_ids.append(slot)
-    return out
-
-
-def _blocks_of(targets: Mapping[OffloadKey, list[int]]) -> dict[int, list[int]]:
-    failed: dict[int, list[int]] = {}
-    for (_, group), blocks in targets.items():
-        failed.setdefault(group, []).extend(blocks)
-    return {g: sorted(b) for g, b in failed.items()}

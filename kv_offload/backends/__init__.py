@@ -1,0 +1,99 @@
+"""Storage tiers behind host memory, chosen by config and imported only when chosen.
+
+The connector config picks the secondary tier with ``storage_tier``: a built-in name below or
+``"package.module:ClassName"`` (a ``StorageTier`` subclass), with its settings in
+``storage_options``. The older ``fs_root_dir`` / ``fs_bytes_to_use`` keys still open the
+filesystem tier. Each tier checks its own options (``StorageTier.check_options``) at start-up
+in every process, before anything connects, so a typo stops the server with a ``ConfigError``
+that names the option and lists the accepted ones.
+
+Contents:
+- ``BUILTIN_TIERS``: name -> "module:Class" (and the pip extra a tier needs).
+- ``tier_class(name)``: the class, imported lazily; ``ConfigError`` if it cannot be.
+- ``storage_choice(config)``: which tier the config asks for, with its options.
+- ``check_storage_config(config)``: validate that choice without opening anything.
+- ``make_storage_tier(config, fingerprint)``: open it (or None: host memory only).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kv_offload.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kv_offload.backends.base import StorageTier
+    from kv_offload.config import OffloadConfig
+
+
+@dataclass(frozen=True)
+class BuiltinTier:
+    path: str  # "module:Class"
+    extra: str | None = None  # the pip extra that installs its client library
+
+
+BUILTIN_TIERS: dict[str, BuiltinTier] = {
+    "filesystem": BuiltinTier("kv_offload.backends.filesystem:FilesystemTier"),
+    "valkey": BuiltinTier("kv_offload.backends.valkey:ValkeyTier", extra="valkey"),
+    "s3": BuiltinTier("kv_offload.backends.s3:S3Tier", extra="s3"),
+}
+
+
+@dataclass(frozen=True)
+class StorageChoice:
+    """The secondary tier a config asks for."""
+
+    name: str  # a BUILTIN_TIERS name or "module:Class"
+    options: dict[str, Any]
+
+
+def storage_choice(config: OffloadConfig) -> StorageChoice | None:
+    """The tier ``config`` asks for, or None (host memory only)."""
+    if config.fs_root_dir is not None:
+        return StorageChoice("filesystem", {"root_dir": config.fs_root_dir,
+                                            "bytes_to_use": config.fs_bytes_to_use,
+                                            "fsync": config.fs_fsync})
+    if config.storage_tier is None:
+        return None
+    return StorageChoice(config.storage_tier, dict(config.storage_options))
+
+
+def tier_class(name: str) -> type[StorageTier]:
+    """The tier class of a built-in name or a "package.module:ClassName" path."""
+    from kv_offload.backends.base import StorageTier
+
+    builtin = BUILTIN_TIERS.get(name)
+    if builtin is None and ":" not in name:
+        raise ConfigError(f"unknown storage_tier {name!r}; expected one of "
+                          f"{sorted(BUILTIN_TIERS)} or 'package.module:ClassName'")
+    module_name, _, class_name = (builtin.path if builtin else name).partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        hint = (f"; install it with pip install 'kv-offload[{builtin.extra}]'"
+                if builtin and builtin.extra else "")
+        raise ConfigError(f"storage_tier {name!r}: cannot import {module_name} ({e}){hint}") \
+            from e
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, StorageTier)):
+        raise ConfigError(f"storage_tier {name!r}: {module_name} has no StorageTier subclass "
+                          f"named {class_name!r} (got {cls!r})")
+    return cls
+
+
+def check_storage_config(config: OffloadConfig) -> None:
+    """Raise ``ConfigError`` if the chosen tier cannot be imported or its options are bad.
+    Opens nothing, connects nowhere: safe to call at start-up in every process."""
+    choice = storage_choice(config)
+    if choice is not None:
+        tier_class(choice.name).check_options(choice.options)
+
+
+def make_storage_tier(config: OffloadConfig, fingerprint: str) -> StorageTier | None:
+    """Open the secondary tier of ``config`` for one layout ``fingerprint`` (None: none)."""
+    choice = storage_choice(config)
+    if choice is None:
+        return None
+    return tier_class(choice.name).from_options(choice.options, fingerprint)

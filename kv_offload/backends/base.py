@@ -1,23 +1,28 @@
 """The interface of secondary storage tiers (disk, object stores, remote memory...).
 
 Contents:
-- `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close) and
-  optional hooks with working defaults (take_changes, keys, clear, stats): callers never probe.
+- `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close),
+  optional hooks with working defaults (take_changes, keys, clear, stats): callers never probe,
+  and two classmethods that build a tier from the connector config (check_options,
+  from_options; by default the options are the constructor's keyword arguments).
 - `TierJobResult`, `TierChanges`, `TierStats`: what a tier hands back.
-- `check_tier_keys`, `check_tier_request`: the argument checks every tier shares.
+- `check_tier_keys`, `check_tier_request`: the argument checks every tier shares;
+  `check_constructor_options`: the default check of `storage_options`.
 
 Built-in tiers are registered by name in `kv_offload.backends` and imported lazily.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kv_offload.errors import TierRequestError
+from kv_offload.errors import ConfigError, TierRequestError
 
 # Secondary tiers
 #
@@ -134,6 +139,41 @@ class StorageTier(ABC):
     def stats(self) -> TierStats:
         """What the tier holds and counters of what it did. Default: nothing known."""
         return TierStats()
+
+    # -- construction from the connector config (`storage_tier`, `storage_options`) --
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Raise ``ConfigError`` naming any bad ``storage_options``, without connecting to or
+        touching the storage: it runs at start-up in every process, the scheduler's too.
+        Default: the options must be keyword arguments of the constructor."""
+        check_constructor_options(cls, options)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], layout_fingerprint: str) -> StorageTier:
+        """Open the tier with its ``storage_options``. Bytes stored under one layout
+        fingerprint must never be served to another: a tier whose data outlives the process
+        or is shared keeps fingerprints apart, and overrides this to receive it.
+        Default: ``cls(**options)`` (right for a tier private to one process)."""
+        return cls(**options)
+
+
+def check_constructor_options(cls: type, options: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` unless ``options`` are keyword arguments ``cls(...)`` accepts."""
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"storage_options of {cls.__qualname__} must be a dict, got "
+                          f"{type(options).__name__}")
+    params = inspect.signature(cls).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(str(k) for k in options if k not in named)
+    if unknown and not takes_any:
+        raise ConfigError(f"unknown storage_options {unknown} for {cls.__qualname__}; "
+                          f"accepted: {named}")
+    missing = [n for n in named if params[n].default is inspect.Parameter.empty
+               and n not in options]
+    if missing:
+        raise ConfigError(f"storage_options {missing} are required by {cls.__qualname__}")
 
 
 def check_tier_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> None:

@@ -1,37 +1,61 @@
-"""CUDA executor: engine memory on a GPU, host pool in pinned memory.
+"""GPU executor: engine memory on a GPU, host pool in pinned memory.
 
-Two ways to move a plan, picked per segment by a simple rule:
-- dma: one `cudaMemcpy2DAsync` per merged run (and ref), on the copy engines.
-  cupy exposes no batched memcpy (`cudaMemcpyBatchAsync`); if a cupy release
-  adds `runtime.memcpyBatchAsync` it is not used yet, merging keeps calls few.
-- kernel: many small pieces (short runs of small pages) in one launch of a
-  copy kernel that reads and writes pinned host memory directly (UVA: the
-  host pointer is valid on the device), 16-byte accesses when aligned.
-Rule: dma when it needs at most `DMA_MAX_CALLS` calls or its pieces average at
-least `DMA_MIN_BYTES`; else the kernel.
+`CudaCopier.submit(plan, ready)` turns a plan into runtime calls on the
+direction's own stream and returns a `CudaJob` at once; nothing waits on the host:
+1. the stream waits (on the GPU) for `ready`, an event recorded on the engine's
+   stream: a store reads blocks only after the forward that wrote them, a load
+   writes blocks only after the engine's own work on them (e.g. zeroing);
+2. each segment moves by the path `cuda_calls.choose_path` picks: 2D copies on
+   the copy engines, one batched memcpy (CUDA 12.8+), or the copy kernel below;
+3. an event is recorded; `CudaJob.done()` queries it, `wait()` blocks on it.
 
-Stores and loads use their own streams, so they overlap on separate copy
-engines. `submit` enqueues and records an event; nothing waits on the host.
-cupy is an optional dependency (`kv_offload[cuda]`): this module is imported
-only when engine memory is on a GPU.
+Stores and loads have their own streams, so they overlap on separate copy
+engines; several jobs of one direction may be in flight, in stream order. The
+kernel reads its descriptors (src, dst, bytes) straight from pinned host memory
+(unified addressing), from buffers of a `DescriptorPool`: a buffer returns to
+the pool when its job is seen complete, by `done()` or by `wait()`, never before.
+
+The runtime calls go through a `CudaRuntime` (runtime.py): cupy and torch on a
+GPU, a host executor of the same calls in the tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import threading
 
 import numpy as np
 import torch
 
+from kv_offload.kernels.cuda_calls import (
+    KERNEL_CHUNK_BYTES,
+    Copies,
+    Memcpy2DCalls,
+    Path,
+    choose_path,
+    dma_calls,
+)
 from kv_offload.kernels.geometry import Segment
-from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan
+from kv_offload.kernels.plan import CopyPlan, Direction
+from kv_offload.kernels.runtime import (
+    LOCATION_DEVICE,
+    LOCATION_HOST,
+    MEMCPY_DEFAULT,
+    CudaRuntime,
+    EngineReady,
+    MemcpyAttributes,
+)
 
-DMA_MAX_CALLS = 64
-DMA_MIN_BYTES = 256 << 10
+logger = logging.getLogger(__name__)
+
 THREADS = 256
 MAX_GRID = 65535
+DESCRIPTOR_BYTES = 24  # (src, dst, bytes) as three 64-bit words
+MIN_DESCRIPTOR_BUFFER = 4096  # bytes; buffers come in powers of two from here
+KEEP_FREE_BUFFERS = 4  # per size: more free buffers than this are dropped
 
-_SOURCE = r"""
+COPY_KERNEL_NAME = "copy_pieces"
+COPY_KERNEL_SOURCE = r"""
 extern "C" __global__ void copy_pieces(const unsigned long long* __restrict__ desc,
                                        long long count) {
     for (long long i = blockIdx.x; i < count; i += gridDim.x) {
@@ -50,113 +74,177 @@ extern "C" __global__ void copy_pieces(const unsigned long long* __restrict__ de
 """
 
 
-@dataclass
-class CudaHandle:
-    """A submitted plan: poll with `done()`, block with `wait()`. Keeps the
-    descriptor buffers alive until the copy has finished."""
+class DescriptorPool:
+    """Pinned buffers for kernel descriptors, reused: pinning memory is slow (it
+    maps pages for the device), a launch should not pay for it."""
 
-    event: torch.cuda.Event
-    keep_alive: list
+    def __init__(self, runtime: CudaRuntime) -> None:
+        self._runtime = runtime
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocations = 0  # pinned buffers made so far (tests, benchmarks)
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        size = max(MIN_DESCRIPTOR_BUFFER, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            self.allocations += 1
+        return self._runtime.pinned_empty(size)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(buffer.numel(), [])
+            if len(free) < KEEP_FREE_BUFFERS:
+                free.append(buffer)
+
+    @property
+    def free_buffers(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._free.values())
+
+
+class CudaJob:
+    """A submitted plan: `done()` polls its event, `wait()` blocks on it. Either,
+    once it sees the job complete, hands the job's descriptor buffers back."""
+
+    def __init__(self, runtime: CudaRuntime, pool: DescriptorPool) -> None:
+        self._runtime = runtime
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+        self.event: object | None = None
+        self.error: Exception | None = None  # a runtime call failed: the job failed
+        self.paths: set[Path] = set()
+
+    def hold(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._buffers.append(buffer)
 
     def done(self) -> bool:
-        return self.event.query()
+        try:
+            if self.event is not None and not self._runtime.query(self.event):
+                return False
+        except Exception:
+            self._release()  # a failed context runs nothing more
+            raise
+        self._release()
+        return True
 
     def wait(self) -> None:
-        self.event.synchronize()
-        self.keep_alive.clear()
+        try:
+            if self.event is not None:
+                self._runtime.synchronize(self.event)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for buffer in buffers:
+            self._pool.release(buffer)
 
 
 class CudaCopier:
-    def __init__(self, segments: list[list[Segment]], device: torch.device) -> None:
-        import cupy  # optional dependency
-
-        self._cupy = cupy
+    def __init__(self, segments: list[list[Segment]], runtime: CudaRuntime) -> None:
         self._segments = segments
-        self._device = device
-        self._streams = {d: torch.cuda.Stream(device) for d in Direction}
-        with cupy.cuda.Device(device.index or 0):
-            self._kernel = cupy.RawKernel(_SOURCE, "copy_pieces")
-        for group in segments:
-            for segment in group:
-                if not segment.host.is_pinned():
-                    raise ValueError("the host pool must be pinned for GPU copies")
+        self._runtime = runtime
+        with runtime.activate():
+            self._streams = {d: runtime.new_stream() for d in Direction}
+            self._kernel = runtime.compile_kernel(COPY_KERNEL_SOURCE, COPY_KERNEL_NAME)
+        self.descriptors = DescriptorPool(runtime)
+        self._batch = runtime.batch_available  # off for good after a failed batch call
+        self.last_paths: dict[Direction, tuple[str, ...]] = {}
 
-    def submit(self, plan: CopyPlan, after: torch.cuda.Event | None = None,
-               strategy: str | None = None) -> CudaHandle:
-        """Enqueue `plan` on its direction's stream after `after` (default: after
-        the work already queued on the submitting thread's current stream)."""
+    def submit(self, plan: CopyPlan, ready: EngineReady | None = None,
+               strategy: str | None = None) -> CudaJob:
+        """Enqueue `plan` on its direction's stream after `ready` (None: after
+        nothing). A failed runtime call fails the job (`CudaJob.error`); copies
+        already enqueued still complete before its event does."""
+        runtime = self._runtime
         stream = self._streams[plan.direction]
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(self._device))
-        keep: list = []
-        with torch.cuda.stream(stream):
-            pieces = []
-            for group_plan in plan.groups:
-                for segment in self._segments[group_plan.group]:
-                    src, dst = ((segment.engine, segment.host)
-                                if plan.direction is Direction.STORE
-                                else (segment.host, segment.engine))
-                    calls = _dma_calls(src, dst, group_plan)
-                    use_dma = strategy == "dma" or (strategy is None and (
-                        len(calls[0]) <= DMA_MAX_CALLS
-                        or calls[3].mean() * calls[4].mean() >= DMA_MIN_BYTES))
-                    if use_dma:
-                        self._dma(stream, *calls)
-                    else:
-                        pieces.append(_pieces(src, dst, group_plan))
-            if pieces:
-                self._launch(stream, np.concatenate(pieces), keep)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return CudaHandle(event, keep)
+        job = CudaJob(runtime, self.descriptors)
+        with runtime.activate():
+            try:
+                if ready is not None and ready.event is not None:
+                    runtime.stream_wait_event(stream, ready.event)
+                self._enqueue(plan, stream, job, strategy)
+            except Exception as exc:
+                job.error = exc
+            try:
+                event = runtime.new_event()
+                runtime.record(event, stream)
+                job.event = event
+            except Exception as exc:  # no event: the context is broken, nothing completes
+                job.error = job.error or exc
+        self.last_paths[plan.direction] = tuple(sorted(p.value for p in job.paths))
+        return job
 
-    def _dma(self, stream: torch.cuda.Stream, dst: np.ndarray, dpitch: int, src: np.ndarray,
-             width: np.ndarray, height: np.ndarray, spitch: int) -> None:
-        runtime = self._cupy.cuda.runtime
-        kind = runtime.memcpyDefault
-        for d, s, w, h in zip(dst.tolist(), src.tolist(), width.tolist(), height.tolist()):
-            runtime.memcpy2DAsync(d, dpitch, s, spitch, w, h, kind, stream.cuda_stream)
+    def _enqueue(self, plan: CopyPlan, stream: object, job: CudaJob,
+                 strategy: str | None) -> None:
+        batched: list[Memcpy2DCalls] = []
+        pieces: list[Copies] = []
+        for group_plan in plan.groups:
+            for segment in self._segments[group_plan.group]:
+                src, dst = ((segment.engine, segment.host) if plan.direction is Direction.STORE
+                            else (segment.host, segment.engine))
+                calls = dma_calls(src, dst, group_plan)
+                path = self._path(calls, strategy)
+                job.paths.add(path)
+                if path is Path.DMA:
+                    self._memcpy2d(calls, stream)
+                elif path is Path.BATCH:
+                    batched.append(calls)
+                else:
+                    pieces.append(calls.copies)
+        if batched and not self._memcpy_batch(batched, plan.direction, stream):
+            job.paths.discard(Path.BATCH)
+            for calls in batched:  # the fallback: the same copies without the batch
+                path = self._path(calls, None)
+                job.paths.add(path)
+                if path is Path.DMA:
+                    self._memcpy2d(calls, stream)
+                else:
+                    pieces.append(calls.copies)
+        if pieces:
+            self._launch(Copies.concat(pieces).chunked(KERNEL_CHUNK_BYTES), stream, job)
 
-    def _launch(self, stream: torch.cuda.Stream, desc: np.ndarray, keep: list) -> None:
-        host = torch.from_numpy(desc.reshape(-1).view(np.int64)).pin_memory()
-        device = host.to(self._device, non_blocking=True)
-        keep.extend([host, device])  # freed only after the event has fired
-        count = desc.shape[0]
-        grid = (min(count, MAX_GRID),)
-        cupy_stream = self._cupy.cuda.ExternalStream(stream.cuda_stream)
-        self._kernel(grid, (THREADS,), (self._cupy.uint64(device.data_ptr()),
-                                        self._cupy.int64(count)), stream=cupy_stream)
+    def _path(self, calls: Memcpy2DCalls, strategy: str | None) -> Path:
+        return choose_path(calls, batch_available=self._batch,
+                           max_pitch=self._runtime.max_pitch, forced=strategy)
 
+    def _memcpy2d(self, calls: Memcpy2DCalls, stream: object) -> None:
+        for d, s, h in zip(calls.dst.tolist(), calls.src.tolist(), calls.height.tolist()):
+            self._runtime.memcpy2d_async(d, calls.dpitch, s, calls.spitch, calls.width, h,
+                                         MEMCPY_DEFAULT, stream)
 
-def _geometry(view: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """(address of row 0, row stride, ref stride, refs, bytes per ref) in bytes."""
-    item = view.element_size()
-    return (view.data_ptr(), view.stride(0) * item, view.stride(1) * item, view.shape[1],
-            view.shape[2] * item)
+    def _memcpy_batch(self, batched: list[Memcpy2DCalls], direction: Direction,
+                      stream: object) -> bool:
+        """One batched call for every batched segment; False (and the batch is off
+        from now on) if the runtime refused it. Copies are idempotent, so whatever
+        a refused call did enqueue is harmless to enqueue again another way."""
+        copies = Copies.concat([c.copies for c in batched])
+        engine, host = LOCATION_DEVICE, LOCATION_HOST
+        src, dst = (engine, host) if direction is Direction.STORE else (host, engine)
+        attrs = MemcpyAttributes(src_location=src, dst_location=dst,
+                                 device=self._runtime.device_index)
+        try:
+            self._runtime.memcpy_batch_async(copies.dst, copies.src, copies.size, [attrs], [0],
+                                             stream)
+        except Exception as exc:
+            self._batch = False
+            logger.warning("kv-offload: the batched memcpy failed (%s); using 2D copies and "
+                           "the copy kernel from now on", exc)
+            return False
+        return True
 
+    def _launch(self, copies: Copies, stream: object, job: CudaJob) -> None:
+        count = copies.count
+        buffer = self.descriptors.acquire(count * DESCRIPTOR_BYTES)
+        job.hold(buffer)  # from now until the job is seen complete
+        table = buffer[:count * DESCRIPTOR_BYTES].view(torch.int64).view(count, 3).numpy()
+        table[:, 0], table[:, 1], table[:, 2] = copies.src, copies.dst, copies.size
+        self._runtime.launch(self._kernel, min(count, MAX_GRID), THREADS,
+                             (np.uint64(buffer.data_ptr()), np.int64(count)), stream)
 
-def _dma_calls(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan):
-    """memcpy2D arguments for each (run, ref): rows of one ref, `height` = run
-    length. Returns (dst addrs, dst pitch, src addrs, widths, heights, src pitch)."""
-    s0, s_row, s_ref, refs, nbytes = _geometry(src)
-    d0, d_row, d_ref, _, _ = _geometry(dst)
-    runs = plan.runs
-    ref = np.arange(refs, dtype=np.int64)
-    src_addr = (s0 + runs[:, 0:1] * s_row + ref * s_ref).reshape(-1)
-    dst_addr = (d0 + runs[:, 1:2] * d_row + ref * d_ref).reshape(-1)
-    heights = np.repeat(runs[:, 2], refs)
-    widths = np.full_like(heights, nbytes)
-    return dst_addr, d_row, src_addr, widths, heights, s_row
-
-
-def _pieces(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan) -> np.ndarray:
-    """(src addr, dst addr, bytes) for every (pair, ref), as uint64 rows."""
-    s0, s_row, s_ref, refs, nbytes = _geometry(src)
-    d0, d_row, d_ref, _, _ = _geometry(dst)
-    ref = np.arange(refs, dtype=np.int64)
-    src_addr = (s0 + plan.src[:, None] * s_row + ref * s_ref).reshape(-1)
-    dst_addr = (d0 + plan.dst[:, None] * d_row + ref * d_ref).reshape(-1)
-    sizes = np.full_like(src_addr, nbytes)
-    return np.stack([src_addr, dst_addr, sizes], axis=1).astype(np.uint64)

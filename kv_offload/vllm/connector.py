@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -28,7 +29,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_offload.config import OffloadConfig, parse_config
 from kv_offload.errors import ConfigError
+from kv_offload.faults import FaultLog
 from kv_offload.specs import MambaSpec
+from kv_offload.startup_checks import check_startup
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler_side import OffloadScheduler
@@ -39,7 +42,12 @@ logger = logging.getLogger(__name__)
 
 
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
-    """Offloads vLLM's KV cache to host memory and disk, and serves prefix hits from them."""
+    """Offloads vLLM's KV cache to host memory and disk, and serves prefix hits from them.
+
+    Only configuration errors raise, and only here, at start-up (before the model loads,
+    on the scheduler side too). Every other method is contained (`_contained`): a fault
+    becomes failed loads (recomputed) or skipped stores, a metrics counter, and one log
+    line per episode."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -56,6 +64,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         _check_block_size(self.config, hash_block_size)
         parallel = vllm_config.parallel_config
         world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        check_startup(self.config, groups, local_ranks=world_size)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._lookup_stats = offload_stats.KVOffloadStats()
@@ -63,12 +72,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             _warn_if_hashes_are_per_process(vllm_config)
             self._scheduler = OffloadScheduler([g.spec for g in groups], hash_block_size,
                                                world_size)
+            self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)
             self._groups = groups
             self._num_blocks = kv_cache_config.num_blocks
             self._worker = OffloadWorker(
                 self.config, rank, _fingerprint_extra(vllm_config, kv_cache_config, groups, rank))
+            self._faults = self._worker.faults
 
     # ---------------- properties ----------------
 
@@ -79,20 +90,29 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker.register(kv_caches, self._groups, self._num_blocks)
+        self._worker.register(kv_caches, self._groups, self._num_blocks)  # start-up: may raise
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Runs before every forward: last step's stores must be out of engine memory
         # before vLLM can reuse their blocks.
-        self._worker.wait_for_engine_copies()
+        self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
+                        self._worker.abandon_stores)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVOffloadMetadata)
-        self._worker.begin_step(meta.step)
-        if meta.reset:
-            self._worker.reset()
-        self._worker.start_loads(meta.loads)
+
+        def start() -> None:
+            assert isinstance(meta, KVOffloadMetadata), type(meta).__name__
+            self._worker.begin_step(meta.step)
+            if meta.reset:
+                self._worker.reset()
+            self._worker.start_loads(meta.loads, meta.failed_loads)
+
+        def fail_all() -> None:  # whatever was promised must come back, as failed
+            self._worker.fail_loads([*getattr(meta, "loads", {}),
+                                     *getattr(meta, "failed_loads", ())])
+
+        self._contained("start_load_kv", start, fail_all)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only once its load finished
@@ -102,78 +122,127 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # stores copy whole blocks after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        self._worker.start_stores(meta.stores)
+        self._contained("wait_for_save", lambda: self._worker.start_stores(
+            self._get_connector_metadata().stores), None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Failed loads are reported per request (vLLM cannot map block ids back to
         # requests with several cache groups); they are recomputed from scratch.
-        finished, failed = self._worker.finished_loads()
-        if failed:
-            logger.warning("kv-offload: %d request(s) will be recomputed: part of their KV "
-                           "could not be loaded", len(failed))
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        def results() -> KVConnectorTransferResults:
+            finished, failed = self._worker.finished_loads()
+            if failed:
+                logger.warning("kv-offload: %d request(s) will be recomputed: part of their "
+                               "KV could not be loaded", len(failed))
+            return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+        return self._contained("get_transfer_results", results, KVConnectorTransferResults)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # see get_transfer_results
 
     def build_connector_worker_meta(self) -> Any:
-        return self._worker.report()
+        return self._contained("build_connector_worker_meta", self._worker.report, None)
 
     def get_kv_connector_stats(self) -> Any:
         if self._worker is not None:
-            return self._worker.take_stats()
-        if self._lookup_stats.is_empty():
-            return None
-        stats, self._lookup_stats = self._lookup_stats, offload_stats.KVOffloadStats()
-        return stats
+            return self._contained("get_kv_connector_stats", self._worker.take_stats, None)
+
+        def scheduler_stats() -> Any:
+            self._lookup_stats.record_faults(scheduler=sum(self._faults.take_counts().values()))
+            if self._lookup_stats.is_empty():
+                return None
+            stats, self._lookup_stats = self._lookup_stats, offload_stats.KVOffloadStats()
+            return stats
+
+        return self._contained("get_kv_connector_stats", scheduler_stats, None)
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown()
+            self._contained("shutdown", self._worker.shutdown, None)
 
     # ---------------- scheduler side ----------------
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        tokens, load_async, lookup = self._scheduler.num_new_matched_tokens(
-            request, num_computed_tokens)
-        if lookup is not None and not load_async:  # a hit is counted once its source is known
-            self._lookup_stats.record_lookup(lookup.query_tokens, 0, 0, 0)
-        return tokens, load_async
+        def lookup() -> tuple[int | None, bool]:
+            tokens, load_async, found = self._scheduler.num_new_matched_tokens(
+                request, num_computed_tokens)
+            if found is not None and not load_async:  # a hit is counted once its source is known
+                self._lookup_stats.record_lookup(found.query_tokens, 0, 0, 0)
+            return tokens, load_async
+
+        return self._contained("get_num_new_matched_tokens", lookup, (0, False))
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        self._contained(
+            "update_state_after_alloc",
+            lambda: self._scheduler.after_alloc(request, blocks.get_block_ids(),
+                                                num_external_tokens),
+            lambda: num_external_tokens and self._scheduler.fail_load(request.request_id))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
-        if num_external_tokens == 0:
-            return {}
-        on_host = self._scheduler.source_of(request.request_id) == "host"
-        self._lookup_stats.record_lookup(request.num_tokens, num_external_tokens,
-                                         num_external_tokens if on_host else 0,
-                                         0 if on_host else num_external_tokens)
-        return {CacheHitSource.HOST if on_host else CacheHitSource.DISK: num_external_tokens}
+        def sources() -> dict[CacheHitSource, int]:
+            if num_external_tokens == 0:
+                return {}
+            on_host = self._scheduler.source_of(request.request_id) == "host"
+            self._lookup_stats.record_lookup(request.num_tokens, num_external_tokens,
+                                             num_external_tokens if on_host else 0,
+                                             0 if on_host else num_external_tokens)
+            return {CacheHitSource.HOST if on_host else CacheHitSource.DISK:
+                    num_external_tokens}
+
+        return self._contained("get_external_cache_hit_sources", sources, {})
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
-        return self._scheduler.build_meta(scheduler_output)
+        return self._contained("build_connector_meta",
+                               lambda: self._scheduler.build_meta(scheduler_output),
+                               lambda: self._scheduler.fallback_meta(scheduler_output),
+                               KVOffloadMetadata())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler.apply_worker_meta(connector_output.kv_connector_worker_meta)
-        self._scheduler.loads_finished(set(connector_output.finished_recving or ()),
-                                       set(connector_output.failed_recving or ()))
+        self._contained("update_connector_output", lambda: self._scheduler.apply_worker_meta(
+            connector_output.kv_connector_worker_meta), None)
+        self._contained("update_connector_output", lambda: self._scheduler.loads_finished(
+            set(connector_output.finished_recving or ()),
+            set(connector_output.failed_recving or ())), None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        return self._scheduler.request_finished(request.request_id), None
+        return self._finished(request)
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, None]:
-        return self._scheduler.request_finished(request.request_id), None
+        return self._finished(request)
 
     def reset_cache(self) -> bool:
-        self._scheduler.reset()
-        return True
+        return self._contained("reset_cache", lambda: self._scheduler.reset() or True, False)
+
+    # ---------------- containment ----------------
+
+    def _finished(self, request: Any) -> tuple[bool, None]:
+        # If our bookkeeping fails, keep the blocks only while a load may write them.
+        return self._contained(
+            "request_finished", lambda: (self._scheduler.request_finished(request.request_id),
+                                         None),
+            lambda: (self._scheduler.is_loading(request.request_id), None), (False, None))
+
+    def _contained(self, where: str, call: Callable[[], Any], fallback: Any,
+                   last_resort: Any = None) -> Any:
+        """Run one vLLM-facing call; on a fault, count it, log it once per episode, and
+        answer with `fallback` (a value, or a callable giving one) instead of raising;
+        `last_resort` if the fallback fails too."""
+        try:
+            result = call()
+        except Exception as exc:
+            self._faults.failed(where, exc)
+            try:
+                return fallback() if callable(fallback) else fallback
+            except Exception as again:  # the fallback itself failed: answer neutrally
+                self._faults.failed(f"{where} fallback", again)
+                return last_resort
+        self._faults.succeeded(where)
+        return result
 
     # ---------------- stats ----------------
 

@@ -13,9 +13,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kv_offload.types import KeyChange
+
 # {group: (block hashes, engine block ids)}: pair i moves block_ids[i] <-> hash i.
 GroupBlocks = dict[int, tuple[list[bytes], list[int]]]
-OffloadKey = tuple[bytes, int]  # (block hash, KV-cache group)
 
 
 @dataclass
@@ -24,37 +25,45 @@ class KVOffloadMetadata(KVConnectorMetadata):
 
     loads: dict[str, GroupBlocks] = field(default_factory=dict)
     """Per request: blocks to fill from our tiers before the request runs."""
+    failed_loads: list[str] = field(default_factory=list)
+    """Requests promised a load that the scheduler could not plan: report them failed."""
     stores: GroupBlocks = field(default_factory=dict)
     """Blocks this step's forward completes, to copy out after it."""
     reset: bool = False
-    """Drop everything held in host memory (vLLM's reset_prefix_cache(reset_connector=True))."""
+    """Drop everything held (vLLM's reset_prefix_cache(reset_connector=True))."""
     step: int = 0
     """Sequence number: workers echo how far their reports reflect these plans."""
 
 
-# Where one rank holds a key: the scheduler counts holders per state.
-ABSENT, ON_DISK, IN_HOST = 0, 1, 2
-KeyChange = tuple[OffloadKey, int, int]  # (key, old state, new state)
+@dataclass(frozen=True)
+class RankReport:
+    """What one worker rank tells the scheduler after a step."""
+
+    changes: tuple[KeyChange, ...]
+    """Keys whose location (host / storage / absent) changed since the last report."""
+    reset: bool
+    """Forget this rank's earlier reports first (its tiers were reset)."""
+    reflected_step: int
+    """The stores and resets of every step up to this one show in the changes."""
 
 
 @dataclass
 class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per worker rank: keys whose state (ABSENT / ON_DISK / IN_HOST) changed since the
-    rank's last report. A rank with nothing new still reports (an empty list), so the
-    scheduler knows every rank has sent its first inventory."""
+    """Per worker rank: its report. A rank with nothing new still reports, so the
+    scheduler knows every rank is alive and how far its reports reflect the plans."""
 
-    changes: dict[int, list[KeyChange]] = field(default_factory=dict)
-    host_slots: dict[int, int] = field(default_factory=dict)
-    """Per rank: blocks its host tier holds (a load must fit there, disk hits included)."""
-    reflected_step: dict[int, int] = field(default_factory=dict)
-    """Per rank: the stores and resets of every step up to this one show in its changes."""
+    reports: dict[int, RankReport] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
+        """Merge the reports of other ranks (or of the same rank, later in time)."""
         if not isinstance(other, KVOffloadWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into "
                             "KVOffloadWorkerMetadata")
-        merged = dict(self.changes)
-        for rank, changes in other.changes.items():
-            merged[rank] = merged.get(rank, []) + changes
-        return KVOffloadWorkerMetadata(merged, {**self.host_slots, **other.host_slots},
-                                       {**self.reflected_step, **other.reflected_step})
+        merged = dict(self.reports)
+        for rank, later in other.reports.items():
+            earlier = merged.get(rank)
+            if earlier is not None and not later.reset:
+                later = RankReport(earlier.changes + later.changes, earlier.reset,
+                                   max(earlier.reflected_step, later.reflected_step))
+            merged[rank] = later
+        return KVOffloadWorkerMetadata(merged)

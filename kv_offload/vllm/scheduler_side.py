@@ -2,43 +2,44 @@
 
 Keys are `(block hash, group)`, with vLLM's own block hashes (one per full
 `hash_block_size` chunk, chained over the prefix). The workers own the tiers; after each
-step every rank reports which keys became loadable and which stopped being loadable, and
-this side keeps a count per key: a key is a hit only when every rank holds it (each rank
-holds its own shard). A report can be one step late, so a hit may still fail to load: the
+step every rank reports the keys whose location changed (at most a bounded batch per step,
+so an inventory found at start-up streams in), and this side keeps each rank's map of
+key -> location: a key is a hit only when every rank holds it (each rank holds its own
+shard). Every step costs what changed in it: report batches, new blocks (each group's
+`StoreFrontier` decides each block once), and lookups of requests that arrive or stop
+waiting. A report can be one step late, so a hit may still fail to load: the
 worker then reports the request in `failed_recving` and vLLM recomputes it, and this side
 stops offering hits to that request.
 
 Blocks are stored in the step whose forward completes them (sliding-window blocks are freed
-by vLLM soon after), and only the blocks some future hit can load (`blocks_worth_storing`).
+by vLLM soon after), and only the blocks some future hit can load (`StoreFrontier`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from math import lcm
 from typing import Any
 
-from kv_offload.hits import blocks_worth_storing, find_longest_cache_hit
+from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.vllm.metadata import (
-    ABSENT,
-    IN_HOST,
-    GroupBlocks,
-    KVOffloadMetadata,
-    KVOffloadWorkerMetadata,
-    OffloadKey,
-)
+from kv_offload.types import Location, OffloadKey
+from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
+MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
 
 
 @dataclass
 class _Request:
     request: Any  # vllm Request: its block_hashes grow as tokens arrive
     block_ids: list[list[int]] = field(default_factory=list)
-    considered: list[int] = field(default_factory=list)  # per group: full blocks seen so far
-    planned: list[set[int]] = field(default_factory=list)  # per group: blocks already decided
+    frontiers: list[StoreFrontier] = field(default_factory=list)  # per group: store decisions
+    wait_until_step: int = -1  # its lookup waits until every rank reflects this step
+    waiting_since: float | None = None
+    stores_off: bool = False  # its block table may be wrong (a step was missed): never store
     loading: bool = False
     load_failed: bool = False
     finished: bool = False
@@ -67,13 +68,13 @@ class OffloadScheduler:
             if spec.block_size % hash_block_size:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
-        self._holders: dict[OffloadKey, int] = {}  # key -> ranks that can load it
-        self._in_host: dict[OffloadKey, int] = {}  # key -> ranks holding it in host memory
-        self._ranks_reported: set[int] = set()
-        self._slots_by_rank: dict[int, int] = {}  # host tier size of each rank, in blocks
+        # Per rank: where it holds each key (a rank's reset replaces its dict: O(1)).
+        self._held: dict[int, dict[OffloadKey, Location]] = {}
+        self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
         self._loads: dict[str, GroupBlocks] = {}
+        self._failed_loads: list[str] = []
         self._reset = False
         # Reports lag the plans by a step; while a request's prefix is being stored, or a
         # reset is under way, its lookup waits for the report (vLLM asks again next step).
@@ -87,8 +88,10 @@ class OffloadScheduler:
 
     @property
     def ready(self) -> bool:
-        """Every rank has reported its inventory (until then a lookup is asked again)."""
-        return len(self._ranks_reported) >= self.world_size
+        """Every rank has reported (until then a lookup is asked again), or the workers
+        took longer than `MAX_REPORT_WAIT_S`: then lookups go on with what is known."""
+        return len(self._held) >= self.world_size or \
+            time.monotonic() - self._created > MAX_REPORT_WAIT_S
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                ) -> tuple[int | None, bool, LookupResult | None]:
@@ -97,7 +100,7 @@ class OffloadScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _Request(request)
-        if not self.ready or self._awaiting_report(request):
+        if not self.ready or self._awaiting_report(request, state):
             return None, False, None
         if state.load_failed or state.loading:
             return 0, False, None
@@ -111,21 +114,10 @@ class OffloadScheduler:
         return hit.num_tokens - num_computed_tokens, True, result
 
     def _longest_hit(self, request: Any, num_computed_tokens: int):
-        """The longest hit whose load fits in half the host tier (a load passes through
-        host slots, also from disk): a longer one could never be loaded."""
-        is_cached = self._is_cached_fn(request)
-        max_length = request.num_tokens - 1  # vLLM always computes the last token
-        slots = min(self._slots_by_rank.values(), default=0)
-        room = max(1, slots // 2) if slots else float("inf")
-        while True:
-            hit = find_longest_cache_hit(self.specs, is_cached, max_length)
-            to_load = sum(1 for g, spec in enumerate(self.specs) for i in hit.blocks[g]
-                          if i >= num_computed_tokens // spec.block_size)
-            if to_load <= room:
-                return hit
-            # Each block fewer is at least one token block shorter (exact for full attention).
-            shorter = max(self.align, (to_load - room) * self._min_block_size)
-            max_length = max(0, hit.num_tokens - shorter) // self.align * self.align
+        """The longest hit every rank can serve (loads larger than a host tier are staged
+        through it, so the host tier's size does not bound a hit)."""
+        return find_longest_cache_hit(self.specs, self._is_cached_fn(request),
+                                      request.num_tokens - 1)  # vLLM computes the last token
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                     num_external_tokens: int) -> None:
@@ -158,15 +150,17 @@ class OffloadScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            state.loading = False  # it runs: vLLM saw its load end (even if we missed that)
             done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
             self._plan_stores(state, done, stores)
-        meta = KVOffloadMetadata(loads=self._loads, stores=stores, reset=self._reset,
+        meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
+                                 stores=stores, reset=self._reset,
                                  step=self._step)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         if stored:
             self._unreported.append((self._step, stored))
             self._unreported_keys.update(dict.fromkeys(stored, self._step))
-        self._loads, self._reset = {}, False
+        self._loads, self._failed_loads, self._reset = {}, [], False
         self._step += 1
         return meta
 
@@ -187,32 +181,32 @@ class OffloadScheduler:
                     group_ids.extend(more)
 
     def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
+        """Add the blocks of this request that became worth storing (linear over the
+        request's life: each group's `StoreFrontier` decides each block once)."""
         request = state.request
-        if not state.considered:
-            state.considered = [0] * len(self.specs)
-            state.planned = [set() for _ in self.specs]
+        if state.stores_off:
+            return
+        if not state.frontiers:
+            state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)
+                               for spec in self.specs]
         num_hashes = len(request.block_hashes)
         for g, spec in enumerate(self.specs):
             per_block = spec.block_size // self.hash_block_size
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
                        len(state.block_ids[g]) if g < len(state.block_ids) else 0)
-            if full <= state.considered[g]:
-                continue
-            state.considered[g] = full
             # A block is worth storing once a hit point that loads it is reached; that can
             # be a later step than the one that computed it (a window before a hit point
             # further on). vLLM keeps such a block until then: it is inside that window.
-            planned = state.planned[g]
+            new = state.frontiers[g].advance(full)
+            if not new:
+                continue
             hashes, ids = stores.setdefault(g, ([], []))
-            for i in blocks_worth_storing(spec, full, alignment_tokens=self.align):
-                if i in planned:
-                    continue
-                planned.add(i)
+            for i in sorted(new):
                 block_id = state.block_ids[g][i]
                 if block_id == NULL_BLOCK_ID:
                     continue
                 block_hash = self._hash_of(request, g, i)
-                if self._holders.get((block_hash, g), 0) < self.world_size:
+                if not self._held_by_all((block_hash, g)):
                     hashes.append(block_hash)
                     ids.append(block_id)
         for g in [g for g, (_, ids) in stores.items() if not ids]:
@@ -221,22 +215,26 @@ class OffloadScheduler:
     # --- worker reports and request ends ---
 
     def apply_worker_meta(self, meta: KVOffloadWorkerMetadata | None) -> None:
+        """Apply the ranks' reports: O(keys changed)."""
         if meta is None:
             return
-        self._slots_by_rank.update(meta.host_slots)
-        self._reflected_by_rank.update(meta.reflected_step)
+        for rank, report in meta.reports.items():
+            self._reflected_by_rank[rank] = report.reflected_step
+            held = self._held.get(rank)
+            if held is None or report.reset:
+                held = self._held[rank] = {}
+            for change in report.changes:
+                if change.location is Location.ABSENT:
+                    held.pop(change.key, None)
+                else:
+                    held[change.key] = change.location
         self._forget_reported()
-        for rank, changes in meta.changes.items():
-            self._ranks_reported.add(rank)
-            for key, old, new in changes:
-                _shift(self._holders, key, (new != ABSENT) - (old != ABSENT))
-                _shift(self._in_host, key, (new == IN_HOST) - (old == IN_HOST))
 
     def source_of(self, request_id: str) -> str:
         """'host' when every block of the request's planned load is in every rank's host
-        memory, else 'disk' (some of it is read from disk first)."""
+        memory, else 'disk' (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
-        on_host = all(self._in_host.get((block_hash, g), 0) >= self.world_size
+        on_host = all(self._held_by_all((block_hash, g), Location.HOST)
                       for g, (hashes, _) in plan.items() for block_hash in hashes)
         return "host" if on_host else "disk"
 
@@ -268,29 +266,82 @@ class OffloadScheduler:
 
     @property
     def num_keys(self) -> int:
-        return len(self._holders)
+        """Keys some rank holds (tests and tools; O(ranks))."""
+        return len(set().union(*self._held.values())) if self._held else 0
+
+    def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
+        """This step's metadata when `build_meta` failed: no stores, and every load
+        planned since the last step reported failed (the requests recompute). The requests
+        of this step never store again: their block tables may have missed this step's
+        new blocks, and a block stored under the wrong index would serve wrong bytes."""
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.stores_off = True
+                state.loading = False  # it runs: vLLM saw its load end
+        failed = [*self._loads, *self._failed_loads]
+        for request_id in failed:
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.loading = True  # until the workers report it back
+        meta = KVOffloadMetadata(failed_loads=failed, reset=self._reset, step=self._step)
+        self._loads, self._failed_loads, self._reset = {}, [], False
+        self._step += 1
+        return meta
+
+    def is_loading(self, request_id: str) -> bool:
+        """Whether a load into this request's blocks may be in flight."""
+        state = self._requests.get(request_id)
+        return state is not None and state.loading
+
+    def fail_load(self, request_id: str) -> None:
+        """A hit was promised but its load cannot be planned: the workers report the
+        request failed (vLLM recomputes it) and no hit is offered to it again."""
+        self._pending_hits.pop(request_id, None)
+        self._loads.pop(request_id, None)
+        self._failed_loads.append(request_id)
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.loading = True  # until the workers report it back
 
     # --- helpers ---
 
-    def _awaiting_report(self, request: Any) -> bool:
+    def _awaiting_report(self, request: Any, state: _Request) -> bool:
         """Whether a reset, or a store of one of this request's blocks, is planned but not
-        yet reported by every rank."""
-        if self._reset_step is not None:
-            return True
-        if not self._unreported_keys:
+        yet reported by every rank. The request's hashes are scanned once per wait (the
+        step it waits for is remembered), so a waiting request costs O(1) per step; the
+        wait is bounded by `MAX_REPORT_WAIT_S`."""
+        reflected = self._reflected()
+        if self._reset_step is None and state.wait_until_step <= reflected:
+            state.wait_until_step = self._last_unreported_store(request)
+        waiting = self._reset_step is not None or state.wait_until_step > reflected
+        if not waiting:
+            state.waiting_since = None
             return False
+        now = time.monotonic()
+        if state.waiting_since is None:
+            state.waiting_since = now
+        return now - state.waiting_since < MAX_REPORT_WAIT_S
+
+    def _last_unreported_store(self, request: Any) -> int:
+        if not self._unreported_keys:
+            return -1
+        last = -1
         hashes = request.block_hashes
         for g, spec in enumerate(self.specs):
             per_block = spec.block_size // self.hash_block_size
             for index in range(per_block - 1, len(hashes), per_block):
-                if (hashes[index], g) in self._unreported_keys:
-                    return True
-        return False
+                last = max(last, self._unreported_keys.get((hashes[index], g), -1))
+        return last
+
+    def _reflected(self) -> int:
+        """The last step every rank's reports reflect."""
+        if len(self._reflected_by_rank) < self.world_size:
+            return -1
+        return min(self._reflected_by_rank.values())
 
     def _forget_reported(self) -> None:
-        if len(self._reflected_by_rank) < self.world_size:
-            return
-        reflected = min(self._reflected_by_rank.values())
+        reflected = self._reflected()
         if self._reset_step is not None and self._reset_step <= reflected:
             self._reset_step = None
         while self._unreported and self._unreported[0][0] <= reflected:
@@ -303,22 +354,23 @@ class OffloadScheduler:
         per_block = self.specs[group].block_size // self.hash_block_size
         return bytes(request.block_hashes[(block + 1) * per_block - 1])
 
+    def _held_by_all(self, key: OffloadKey, where: Location | None = None) -> bool:
+        """Whether every rank holds `key` (in host memory, if `where` is HOST)."""
+        if len(self._held) < self.world_size:
+            return False
+        for held in self._held.values():
+            location = held.get(key)
+            if location is None or (where is not None and location is not where):
+                return False
+        return True
+
     def _is_cached_fn(self, request: Any):
         hashes = request.block_hashes
-        holders, world = self._holders, self.world_size
+        held_by_all = self._held_by_all
         per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
 
         def is_cached(group: int, block: int) -> bool:
             index = (block + 1) * per_block[group] - 1
-            return index < len(hashes) and holders.get((hashes[index], group), 0) >= world
+            return index < len(hashes) and held_by_all((hashes[index], group))
 
         return is_cached
-
-
-def _shift(counts: dict[OffloadKey, int], key: OffloadKey, delta: int) -> None:
-    if delta:
-        value = counts.get(key, 0) + delta
-        if value > 0:
-            counts[key] = value
-        else:
-            counts.pop(key, None)

@@ -29,11 +29,14 @@ COUNTERS: tuple[str, ...] = (
     "load_failed_jobs",
     "store_jobs", "store_blocks", "store_bytes", "store_seconds", "store_failed_blocks",
     "store_skipped_blocks",
+    "faults_scheduler", "faults_worker", "storage_read_failed_keys", "storage_write_failed_keys",
 )
 GAUGES: tuple[str, ...] = ("host_bytes_used", "host_bytes_total", "disk_bytes_used",
                            "disk_bytes_total")
 TIERS: tuple[str, ...] = ("host", "disk")
 DIRECTIONS: tuple[str, ...] = ("load", "store")
+SIDES: tuple[str, ...] = ("scheduler", "worker")
+STORAGE_OPS: tuple[str, ...] = ("read", "write")
 
 _GAUGE_SEP = "@"
 _GB = 1e9
@@ -149,6 +152,20 @@ class KVOffloadStats(KVConnectorStats):
         self._add("store_failed_blocks", failed_blocks)
         self._add("store_skipped_blocks", skipped_blocks)
 
+    def record_faults(self, *, scheduler: int = 0, worker: int = 0) -> None:
+        """Faults contained (an exception or a timeout in our code, a tier or a plug-in
+        that the engine never saw: the affected loads recompute, stores are skipped)."""
+        _check_amounts(scheduler=scheduler, worker=worker)
+        self._add("faults_scheduler", scheduler)
+        self._add("faults_worker", worker)
+
+    def record_storage_failures(self, read_keys: int, write_keys: int) -> None:
+        """Keys the storage tier failed to read (missing, corrupt, server down) or to write
+        (full disk, server down)."""
+        _check_amounts(read_keys=read_keys, write_keys=write_keys)
+        self._add("storage_read_failed_keys", read_keys)
+        self._add("storage_write_failed_keys", write_keys)
+
     def set_usage(
         self,
         host_used: int,
@@ -204,6 +221,9 @@ class KVOffloadStats(KVConnectorStats):
             "Failed blocks (load/store)": (
                 self.count("load_failed_blocks") + self.count("store_failed_blocks")),
             "Skipped store blocks": self.count("store_skipped_blocks"),
+            "Faults contained": self.count("faults_scheduler") + self.count("faults_worker"),
+            "Storage failed keys (read/write)": (
+                self.count("storage_read_failed_keys") + self.count("storage_write_failed_keys")),
         }
         for tier in TIERS:
             used, total = self.usage(f"{tier}_bytes_used"), self.usage(f"{tier}_bytes_total")
@@ -245,6 +265,11 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._add_counter("store_seconds", "Seconds spent in store jobs.")
         self._add_counter("failed_blocks", "Blocks whose transfer failed, by direction.",
                           "direction", DIRECTIONS)
+        self._add_counter("faults", "Faults contained without reaching the engine (loads "
+                          "recomputed, stores skipped), by side.", "side", SIDES)
+        self._add_counter("storage_failed_keys", "Keys the storage tier failed to read or "
+                          "write (missing, corrupt, full disk, server down), by op.", "op",
+                          STORAGE_OPS)
         for suffix, doc in (("used", "Bytes in use"), ("total", "Byte budget")):
             self._add_metric(self._gauge_cls, f"tier_bytes_{suffix}",
                              f"{doc} in each offload tier, summed over ranks.", "tier", TIERS,
@@ -287,6 +312,11 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         for direction in DIRECTIONS:
             self._inc("failed_blocks", engine_idx, stats.count(f"{direction}_failed_blocks"),
                       direction)
+        for side in SIDES:
+            self._inc("faults", engine_idx, stats.count(f"faults_{side}"), side)
+        for op in STORAGE_OPS:
+            self._inc("storage_failed_keys", engine_idx,
+                      stats.count(f"storage_{op}_failed_keys"), op)
 
 
 def build_prom_metrics(

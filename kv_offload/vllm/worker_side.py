@@ -1,14 +1,23 @@
 """The connector's worker side (one per worker rank): moves this rank's shard.
 
 The engine's caches are canonicalised once; a `TieredStore` (host slots in front of the
-optional disk tier) does the copies on its own threads, and a pump thread advances it so
-write-through to disk keeps going while the engine is idle. Every call from vLLM takes the
-same lock, so the store is only ever driven by one thread at a time.
+optional storage tier) does the copies on its own threads, and a pump thread advances it so
+write-through keeps going while the engine is idle. Every call from vLLM takes the same
+lock, so the store is only ever driven by one thread at a time; under it, each call does
+work proportional to what changed in this step (the jobs it submits, the results and key
+changes it drains, at most `REPORT_MAX_KEYS` of them).
+
+Nothing here raises into vLLM after start-up. A fault (ours, a tier's, a plug-in's) is
+contained where it happens: a load that cannot run is reported failed (vLLM recomputes the
+request), a store that cannot run is skipped, the fault is counted in the metrics and logged
+once per episode. Every load is reported to vLLM exactly once: the job registry hands a
+result over only while the job is registered.
 
 Engine memory is only read by stores and written by loads:
 - a store copies blocks the step's forward completed; vLLM may free them right after the
   step (a finished request, a sliding window moving on), so `wait_for_engine_copies` runs
-  before the next forward and nothing can overwrite them mid-copy;
+  before the next forward. If a copy is not out by `copy_timeout_s` (a stuck thread), the
+  engine goes on and the store is abandoned: whatever it copied is discarded, never served;
 - a load fills blocks of a request that waits for it (vLLM does not run it, and keeps the
   blocks of an aborted one until the load reports back).
 """
@@ -18,29 +27,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from kv_offload.backends.base import TierStats
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
+from kv_offload.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
-from kv_offload.tiering import TieredResult, TieredStore, layout_fingerprint
-from kv_offload.vllm.metadata import (
-    ABSENT,
-    IN_HOST,
-    ON_DISK,
-    GroupBlocks,
-    KVOffloadWorkerMetadata,
-    OffloadKey,
-)
+from kv_offload.tiering import TieredStore, layout_fingerprint
+from kv_offload.tiering_jobs import TieredResult
+from kv_offload.types import Direction
+from kv_offload.vllm.metadata import GroupBlocks, KVOffloadWorkerMetadata, RankReport
 from kv_offload.vllm.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
 
-DISK_INVENTORY_INTERVAL_S = 1.0  # how often disk keys (evictions, other writers) are re-listed
+REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (inventories too)
 _PUMP_INTERVAL_S = 0.002
 
 
@@ -50,36 +54,42 @@ class _Job:
     started: float
     num_blocks: int
     num_bytes: int
-    seconds: float = 0.0  # submit -> result
+    abandoned: bool = False  # a store the engine stopped waiting for
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    result: TieredResult
+    job: _Job
+    seconds: float
 
 
 class OffloadWorker:
     """Worker-side state of the connector for one rank."""
 
-    def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str) -> None:
+    def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
+                 copy_timeout_s: float = 30.0) -> None:
         self.config = config
         self.rank = rank
         self.fingerprint_extra = fingerprint_extra
+        self.copy_timeout_s = copy_timeout_s
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
-        self._on_cuda = False
+        self.faults = FaultLog(f"kv-offload rank {rank}")
         self._reflected_step = -1
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
-        self._results: list[tuple[TieredResult, _Job]] = []
+        self._outcomes: list[_Outcome] = []
+        self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVOffloadStats()
-        self._host: set[OffloadKey] = set()
-        self._disk: set[OffloadKey] = set()
-        self._reported: dict[OffloadKey, int] = {}  # as last told to the scheduler
-        self._disk_listed_at = 0.0
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
                  num_blocks: int) -> None:
-        """Canonicalise the engine's caches and open the tiers."""
+        """Canonicalise the engine's caches and open the tiers (errors here are start-up
+        configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
-        self._on_cuda = any(t.tensor.is_cuda for t in self.canonical.tensors)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
         self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
         self._pump = threading.Thread(target=self._run_pump, daemon=True,
@@ -88,102 +98,111 @@ class OffloadWorker:
 
     # --- per step, in vLLM's order ---
 
-    def wait_for_engine_copies(self, timeout_s: float = 120.0) -> None:
-        """Block until every store submitted so far has copied its engine blocks out."""
+    def wait_for_engine_copies(self, timeout_s: float | None = None) -> None:
+        """Block until every store submitted so far has copied its engine blocks out; past
+        the timeout, abandon the stragglers instead (the engine must go on)."""
+        timeout_s = self.copy_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while any(job.request_id is None for job in self._jobs.values()):
+            while stragglers := [job_id for job_id, job in self._jobs.items()
+                                 if job.request_id is None and not job.abandoned]:
                 if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"kv-offload rank {self.rank}: stores did not copy "
+                    self.faults.failed("engine copy", f"{len(stragglers)} store(s) not copied "
                                        f"out of engine memory within {timeout_s} s")
+                    self._abandon(stragglers)
+                    return
+        self.faults.succeeded("engine copy")
 
     def begin_step(self, step: int) -> None:
         """A new step's plans arrived: the previous step's stores have been copied
         (`wait_for_engine_copies` ran before this step), so reports reflect them."""
         self._reflected_step = step - 1
 
-    def start_loads(self, loads: Mapping[str, GroupBlocks]) -> None:
+    def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = ()
+                    ) -> None:
+        """Start this step's loads; `failed`: loads the scheduler could not plan."""
         with self._lock:
+            self._failed_now.update(failed)
+            # GPU: one event on the engine's stream orders every copy of these loads after
+            # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
+            ready = self.store.cpu.engine_ready() if loads else None
             for request_id, blocks in loads.items():
-                job_id = self.store.submit_load(blocks)
-                self._jobs[job_id] = self._job(request_id, blocks)
+                try:
+                    job_id = self.store.submit_load(blocks, ready)
+                    self._jobs[job_id] = self._job(request_id, blocks)
+                except Exception as exc:
+                    self.faults.failed("load submit", exc)
+                    self._failed_now.add(request_id)
             self._lock.notify_all()
+
+    def fail_loads(self, request_ids: Collection[str]) -> None:
+        """Report these loads failed at the next `finished_loads` without starting them
+        (a recovery path: it only records ids)."""
+        with self._lock:
+            self._failed_now.update(request_ids)
 
     def start_stores(self, stores: GroupBlocks) -> None:
         if not stores:
             return
-        if self._on_cuda:
-            # The copies run on our own streams, from our threads: let the forward that
-            # wrote these blocks finish first (vLLM syncs at the step's end anyway).
-            torch.cuda.current_stream().synchronize()
-        with self._lock:
-            job_id = self.store.submit_store(stores)
-            self._jobs[job_id] = self._job(None, stores)
-            self._lock.notify_all()
+        try:
+            with self._lock:
+                # GPU: our copy stream waits on an event recorded on the engine's stream
+                # after the forward that wrote these blocks; the CPU does not wait.
+                job_id = self.store.submit_store(stores, self.store.cpu.engine_ready())
+                self._jobs[job_id] = self._job(None, stores)
+                self._lock.notify_all()
+        except Exception as exc:
+            self.faults.failed("store submit", exc)
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose load ended since the last call, and those of them that failed
-        (some bytes did not arrive: vLLM recomputes the request)."""
-        finished, failed = set(), set()
+        (some bytes did not arrive: vLLM recomputes the request). Each request once."""
         with self._lock:
-            results, self._results = self._results, []
-        for result, job in results:
+            outcomes, self._outcomes = self._outcomes, []
+            failed_now, self._failed_now = self._failed_now, set()
+        finished, failed = set(failed_now), set(failed_now)
+        for outcome in outcomes:
+            result, job = outcome.result, outcome.job
             failed_blocks = sum(len(ids) for ids in result.failed.values())
-            if result.kind == "load":
+            if result.direction is Direction.LOAD:
                 finished.add(job.request_id)
-                if failed_blocks:
+                if not result.success:
                     failed.add(job.request_id)
-                    self._disk_listed_at = 0.0  # a bad file was dropped: re-list soon
-                self._stats.record_load(job.num_blocks, job.num_bytes,
-                                        job.seconds, failed_blocks)
-            elif result.no_room:
-                self._stats.record_store(0, 0, 0.0, skipped_blocks=job.num_blocks)
+                self._stats.record_load(job.num_blocks, job.num_bytes, outcome.seconds,
+                                        failed_blocks)
             else:
-                self._stats.record_store(job.num_blocks, job.num_bytes, job.seconds,
-                                         failed_blocks)
+                # (`skipped` counts keys: the same as blocks unless a key was listed twice)
+                skipped = min(job.num_blocks, result.skipped)
+                stored = job.num_blocks - skipped
+                self._stats.record_store(stored, job.num_bytes * stored // max(1, job.num_blocks),
+                                         outcome.seconds, max(0, failed_blocks - skipped),
+                                         skipped_blocks=skipped)
         return finished, failed
 
     def report(self) -> KVOffloadWorkerMetadata:
-        """Keys whose state on this rank changed since the last report (the first report
-        lists what the disk tier already holds)."""
-        touched: set[OffloadKey] = set()
+        """Keys whose location on this rank changed since the last report (at most
+        `REPORT_MAX_KEYS`; an inventory found at start-up streams over several steps)."""
         with self._lock:
-            for event in self.store.manager.take_events():
-                if event.kind == "stored":
-                    self._host.update(event.keys)
-                else:
-                    self._host.difference_update(event.keys)
-                touched.update(event.keys)
-            list_disk = time.monotonic() - self._disk_listed_at >= DISK_INVENTORY_INTERVAL_S
-        if list_disk:  # outside the lock: the tier's index has its own
-            listed = self.store.storage_keys()
-            if listed is not None:
-                disk = set(listed)
-                touched |= disk ^ self._disk
-                self._disk = disk
-            self._disk_listed_at = time.monotonic()
-        changes = []
-        for key in touched:
-            state = IN_HOST if key in self._host else ON_DISK if key in self._disk else ABSENT
-            old = self._reported.get(key, ABSENT)
-            if state != old:
-                changes.append((key, old, state))
-                if state == ABSENT:
-                    del self._reported[key]
-                else:
-                    self._reported[key] = state
-        return KVOffloadWorkerMetadata({self.rank: changes},
-                                       {self.rank: self.store.cpu.num_slots},
-                                       {self.rank: self._reflected_step})
+            try:
+                changes = self.store.take_changes(REPORT_MAX_KEYS)
+            except Exception as exc:  # report nothing new; the keys stay pending
+                self.faults.failed("report", exc)
+                changes = None
+        report = RankReport(changes.changes if changes else (), bool(changes and changes.reset),
+                            self._reflected_step)
+        return KVOffloadWorkerMetadata({self.rank: report})
 
     def take_stats(self) -> KVOffloadStats | None:
         with self._lock:
-            store = self.store
-            # Slots in use (O(1); `len(manager)` walks every key).
-            host_used = (store.cpu.num_slots - store.manager.num_free_slots) * store.cpu.slot_bytes
-            host_total = store.cpu.num_slots * store.cpu.slot_bytes
-            disk = store.storage.stats() if store.storage is not None else TierStats()
-        self._stats.set_usage(host_used, host_total, disk.bytes_used, disk.bytes_budget,
+            usage = self.store.usage()
+            tier_faults = self.store.faults.take_counts()
+            key_failures = self.store.take_key_failures()
+        faults = self.faults.take_counts()
+        self._stats.record_faults(worker=sum(faults.values()) + sum(tier_faults.values()))
+        self._stats.record_storage_failures(key_failures.get("read", 0),
+                                            key_failures.get("write", 0))
+        self._stats.set_usage(usage.host_bytes_used, usage.host_bytes_total,
+                              usage.storage.bytes_used, usage.storage.bytes_budget,
                               rank=self.rank)
         if self._stats.is_empty():
             return None
@@ -191,14 +210,13 @@ class OffloadWorker:
         return stats
 
     def reset(self) -> None:
-        """Forget everything, host memory and disk files (vLLM resets the connector e.g.
-        after a weight update: nothing stored before may be served after)."""
+        """Forget everything (vLLM resets the connector e.g. after a weight update: nothing
+        stored before may be served after). O(host keys); no file is touched."""
         with self._lock:
-            self.store.reset(storage_too=True)
-            self._disk_listed_at = 0.0  # report the dropped disk keys at once
+            self.store.reset()
 
     def shutdown(self) -> None:
-        """Finish write-through to disk, then stop."""
+        """Finish write-through, then stop. Never raises."""
         if self.store is None:
             return
         self._stop.set()
@@ -206,10 +224,12 @@ class OffloadWorker:
             self._pump.join()
         with self._lock:
             try:
-                self.store.flush()
+                if not self.store.flush():
+                    logger.warning("kv-offload rank %d: write-through did not finish before "
+                                   "shutdown; unfinished keys are misses", self.rank)
+                self.store.close()
             except Exception:  # never fail vLLM's shutdown: unfinished files are just misses
-                logger.exception("kv-offload rank %d: write-through did not finish", self.rank)
-            self.store.close()
+                logger.exception("kv-offload rank %d: shutdown of the tiers failed", self.rank)
         self.store = None
 
     # --- internals ---
@@ -220,21 +240,38 @@ class OffloadWorker:
                         for g, (_, ids) in blocks.items())
         return _Job(request_id, time.monotonic(), num_blocks, num_bytes)
 
+    def abandon_stores(self) -> None:
+        """The engine goes on without waiting for the stores in flight (e.g. the wait
+        itself failed): their copies are discarded when they end, never served."""
+        with self._lock:
+            self._abandon([job_id for job_id, job in self._jobs.items()
+                           if job.request_id is None and not job.abandoned])
+
+    def _abandon(self, job_ids: list[int]) -> None:
+        """Lock held: stop waiting for these stores; their copies are discarded."""
+        for job_id in job_ids:
+            self._jobs[job_id].abandoned = True
+        for job_id in job_ids:
+            self.store.abandon_store(job_id)
+
+    def _deliver(self, results: list[TieredResult]) -> None:
+        """Lock held: hand each job's result over once (an unknown id was delivered)."""
+        now = time.monotonic()
+        for result in results:
+            job = self._jobs.pop(result.job_id, None)
+            if job is not None:
+                self._outcomes.append(_Outcome(result, job, now - job.started))
+        if results:
+            self._lock.notify_all()
+
     def _run_pump(self) -> None:
+        """Advance the store until shutdown. Nothing can end this loop but `_stop`: a fault
+        in one round is contained and the next round runs."""
         while not self._stop.is_set():
-            with self._lock:
-                try:
-                    done = self.store.poll()
-                except Exception:  # a bug must not hang the engine: fail what is in flight
-                    logger.exception("kv-offload rank %d: transfer bookkeeping failed; "
-                                     "failing the jobs in flight", self.rank)
-                    done = [TieredResult(job_id, "store" if job.request_id is None else "load",
-                                         False, {-1: [-1]}) for job_id, job in self._jobs.items()]
-                now = time.monotonic()
-                for result in done:
-                    job = self._jobs.pop(result.job_id)
-                    job.seconds = now - job.started
-                    self._results.append((result, job))
-                if done:
-                    self._lock.notify_all()
+            try:
+                with self._lock:
+                    self._deliver(self.store.poll())
+                self.faults.succeeded("pump")
+            except Exception as exc:
+                self.faults.failed("pump", exc)
             time.sleep(_PUMP_INTERVAL_S)

@@ -294,10 +294,11 @@ class PinnedVictim(MostRecentFirst):
         return self.keys[: len(incoming)]  # ignores can_evict
 
 
-def test_a_policy_choosing_a_pinned_victim_is_refused():
+def test_a_policy_choosing_a_pinned_victim_is_replaced_by_lru_and_the_store_goes_on():
     m = OffloadManager(2, PinnedVictim(2))
     stored(m, A, B)
     m.prepare_load([A])
-    with pytest.raises(EvictionPolicyError, match="PinnedVictim returned victims"):
-        m.prepare_store([C])
+    plan = m.prepare_store([C])  # the plug-in picks pinned A: refused, LRU picks B instead
+    assert plan is not None and plan.evicted == (B,)
     assert m.lookup([A]) == [READY]
+    assert m.policy_failures == 1 and isinstance(m.policy, LRUPolicy)

@@ -1,7 +1,9 @@
 """The contract every StorageTier must meet, run against each tier implementation.
 
-Add a tier by adding a factory to TIER_FACTORIES. The in-memory DictTier (third_party_tier.py)
-and the filesystem tier (with O_DIRECT where the disk supports it, and buffered) run it all.
+Add a tier by adding a factory to TIER_FACTORIES (it gets the test's temporary directory and
+pytest's request, to ask for a server fixture). The example DictTier
+(kv_offload/backends/example), the filesystem tier (with O_DIRECT where the disk supports it,
+and buffered), the Valkey tier on a real server and the S3 tier on moto's server run it all.
 """
 
 from __future__ import annotations
@@ -10,22 +12,43 @@ import re
 
 import pytest
 import torch
-from third_party_tier import DictTier
+from conftest import make_bucket, unique_name
 from tier_helpers import random_bytes, read, wait, write
 
+from kv_offload.backends.example import DictTier
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig, aligned_host_buffer
 from kv_offload.errors import TierClosedError, TierRequestError
 
+
+def _valkey(root, request):
+    from kv_offload.backends.valkey import ValkeyTier
+
+    server = request.getfixturevalue("valkey_server")
+    return ValkeyTier.from_options({"url": server.url, "key_prefix": unique_name("suite") + ":",
+                                    "refresh_interval_s": 0}, "suite-layout")
+
+
+def _s3(root, request):
+    from kv_offload.backends.s3 import S3Tier
+
+    server = request.getfixturevalue("s3_server")
+    return S3Tier.from_options({"bucket": make_bucket(server.endpoint_url),
+                                "endpoint_url": server.endpoint_url, "bytes_to_use": 1 << 30,
+                                "refresh_interval_s": 0}, "suite-layout")
+
+
 TIER_FACTORIES = {
-    "dict": lambda root: DictTier(),
-    "filesystem": lambda root: FilesystemTier(
+    "dict": lambda root, request: DictTier(),
+    "filesystem": lambda root, request: FilesystemTier(
         FilesystemTierConfig(str(root), "suite-layout", 1 << 30, rescan_interval_s=0)
     ),
-    "filesystem-buffered": lambda root: FilesystemTier(
+    "filesystem-buffered": lambda root, request: FilesystemTier(
         FilesystemTierConfig(
             str(root), "suite-layout", 1 << 30, direct_io=False, rescan_interval_s=0
         )
     ),
+    "valkey": _valkey,
+    "s3": _s3,
 }
 
 SIZES = [1, 100, 4096, 4097, 65536 + 3, 1 << 20]
@@ -33,7 +56,7 @@ SIZES = [1, 100, 4096, 4097, 65536 + 3, 1 << 20]
 
 @pytest.fixture(params=sorted(TIER_FACTORIES))
 def tier(request, tmp_path):
-    made = TIER_FACTORIES[request.param](tmp_path / "tier")
+    made = TIER_FACTORIES[request.param](tmp_path / "tier", request)
     yield made
     made.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.config import parse_config
 from kv_offload.engine_alloc import allocate_kv_caches
-from kv_offload.tiering import Location, TieredStore, layout_fingerprint, storage_key
+from kv_offload.key_view import storage_key
+from kv_offload.tiering import TieredStore, layout_fingerprint
+from kv_offload.types import Location
 
 NUM_BLOCKS = 12
 
@@ -46,6 +49,15 @@ def make_store(canonical, root, slots=4, **kw):
 
 def h(i):
     return i.to_bytes(8, "little")
+
+
+def wait_for_storage(store, keys, timeout=10.0):
+    """Poll until the storage tier's change feed has shown these keys to the store."""
+    deadline = time.monotonic() + timeout
+    while store.lookup(keys) != [Location.STORAGE] * len(keys):
+        assert time.monotonic() < deadline, "the storage tier never reported its keys"
+        store.poll()
+        time.sleep(0.002)
 
 
 def test_store_then_load_from_host_is_bit_exact():
@@ -93,7 +105,7 @@ def test_a_new_store_on_the_same_directory_finds_everything(tmp_path):
     first.close()
     buffer.zero_()
     second = make_store(canonical, tmp_path, slots=6)  # fresh host tier, same disk
-    assert second.lookup([(h(1), 0), (h(2), 1)]) == [Location.STORAGE] * 2
+    wait_for_storage(second, [(h(1), 0), (h(2), 1)])
     [loaded] = second.wait([second.submit_load({0: ([h(1)], [4]), 1: ([h(2)], [8])})])
     assert loaded.success
     assert torch.equal(block_bytes(canonical, 0, 4), expected[0])
@@ -115,6 +127,7 @@ def test_corrupt_file_fails_only_its_blocks(tmp_path):
     victim.write_bytes(bytes(data))
     buffer.zero_()
     second = make_store(canonical, tmp_path, slots=6)
+    wait_for_storage(second, [(h(1), 0), (h(2), 0)])
     [loaded] = second.wait([second.submit_load({0: ([h(1), h(2)], [5, 6])})])
     assert not loaded.success and loaded.failed == {0: [5]}
     assert torch.equal(block_bytes(canonical, 0, 6), good)
@@ -123,14 +136,15 @@ def test_corrupt_file_fails_only_its_blocks(tmp_path):
     second.close()
 
 
-def test_absent_keys_fail_and_full_pool_skips_the_store():
+def test_absent_keys_fail_and_a_full_pool_skips_what_does_not_fit():
     _, canonical = hybrid()
     store = make_store(canonical, None, slots=2)
     [loaded] = store.wait([store.submit_load({1: ([h(9)], [3])})])
     assert loaded.failed == {1: [3]}
     [stored] = store.wait([store.submit_store({0: ([h(1), h(2), h(3)], [1, 2, 3])})])
-    assert not stored.success and stored.failed == {0: [1, 2, 3]}
-    assert store.lookup([(h(1), 0)]) == [Location.ABSENT]
+    assert not stored.success and stored.failed == {0: [3]} and stored.skipped == 1
+    assert store.lookup([(h(1), 0), (h(2), 0), (h(3), 0)]) == \
+        [Location.HOST, Location.HOST, Location.ABSENT]
     store.close()
 
 
@@ -151,21 +165,41 @@ def test_fingerprint_depends_on_layout_and_extra(extra):
     assert layout_fingerprint(canonical, extra) != layout_fingerprint(canonical, extra + "x")
 
 
-def test_reset_while_reading_from_disk_fails_that_load_cleanly(tmp_path):
-    """A reset between submitting a disk read and its completion drops the slot being
-    filled: the load reports those blocks failed (never stale bytes), nothing raises."""
+def test_reset_while_reading_from_disk_serves_nothing_old_and_deletes_nothing(tmp_path):
+    """A reset between submitting a disk read and its completion: the load ends (the
+    bytes it reads are still those of its keys, so it may succeed), nothing raises, and
+    after the reset the old keys are never served although their files stay (other
+    engines sharing the directory may use them; they age out under the budget)."""
     buffer, canonical = hybrid()
     first = make_store(canonical, tmp_path, slots=6)
     first.wait([first.submit_store({0: ([h(1), h(2)], [1, 2])})])
     first.flush()
     first.close()
     second = make_store(canonical, tmp_path, slots=6)
+    wait_for_storage(second, [(h(1), 0), (h(2), 0)])
     job = second.submit_load({0: ([h(1), h(2)], [4, 5])})  # read into slots in flight
     second.reset()
-    [loaded] = second.wait([job])
-    assert not loaded.success and loaded.failed == {0: [4, 5]}
-    assert second.lookup([(h(1), 0)]) == [Location.STORAGE]  # the disk copy is still there
-    second.reset(storage_too=True)
+    second.wait([job])
     assert second.lookup([(h(1), 0), (h(2), 0)]) == [Location.ABSENT] * 2
-    assert not list(tmp_path.rglob("*.safetensors"))
+    [again] = second.wait([second.submit_load({0: ([h(1)], [6])})])
+    assert not again.success and again.failed == {0: [6]}
+    assert len(list(Path(tmp_path).rglob("*.safetensors"))) == 2
     second.close()
+
+
+def test_fingerprint_changes_with_the_layer_order_and_the_file_format(monkeypatch):
+    """Two models whose pages look alike but whose groups list their layers in another
+    order (or an older file format) must never read each other's bytes as valid."""
+    import kv_offload.tiering as tiering
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    fingerprints = []
+    for names in (["a0", "a1"], ["a1", "a0"]):
+        groups = [KVCacheGroup(names, attn)]
+        _, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC")
+        fingerprints.append(layout_fingerprint(canonicalize(caches, groups, NUM_BLOCKS)))
+    assert fingerprints[0] != fingerprints[1]
+    _, canonical = hybrid()
+    before = layout_fingerprint(canonical)
+    monkeypatch.setattr(tiering, "FILE_FORMAT_VERSION", tiering.FILE_FORMAT_VERSION + 1)
+    assert layout_fingerprint(canonical) != before

@@ -13,13 +13,13 @@ from vllm_scheduler_helpers import (  # noqa: E402
     BLOCK,
     IN_HOST,
     ON_DISK,
-    KVOffloadWorkerMetadata,
     NewRequestData,
     full_attention,
     hashes_of,
     keys,
     mixed_block_sizes,
     output,
+    rank_meta,
     report,
     request_factory,
     run_hit,
@@ -52,9 +52,8 @@ def test_no_answer_until_every_rank_reported(make_request):
 def test_aggregated_reports_of_both_ranks_make_it_ready(make_request):
     sched = full_attention(world_size=2)
     request = make_request("r", 100)
-    both = KVOffloadWorkerMetadata({0: [(k, ABSENT, IN_HOST) for k in keys(request, range(3))]})
-    both = both.aggregate(KVOffloadWorkerMetadata(
-        {1: [(k, ABSENT, ON_DISK) for k in keys(request, range(2))]}))
+    both = rank_meta(0, keys(request, range(3)), IN_HOST)
+    both = both.aggregate(rank_meta(1, keys(request, range(2)), ON_DISK))
     sched.apply_worker_meta(both)
     assert sched.num_new_matched_tokens(request, 0)[:2] == (64, True)
 
@@ -96,20 +95,24 @@ def test_hit_is_the_cached_prefix_beyond_the_local_hit(make_request):
     assert sched.num_new_matched_tokens(request, 160)[:2] == (0, False)
 
 
-def test_a_hit_is_capped_to_what_half_the_host_tier_can_pass_through(make_request):
-    """Every load passes through host slots (disk hits are read into them first): a hit of
-    more blocks than half the smallest rank's host tier could never load, so it is cut."""
+def test_a_hit_is_not_bounded_by_the_host_tier_size(make_request):
+    """Loads larger than a host tier are staged through it in batches, so a long disk
+    hit is offered whole, whatever the ranks' host tiers hold."""
     sched = full_attention(world_size=2)
     request = make_request("r", 300)  # 9 full blocks
-    for rank, slots in ((0, 16), (1, 8)):
-        sched.apply_worker_meta(KVOffloadWorkerMetadata(
-            {rank: [(k, ABSENT, ON_DISK) for k in keys(request, range(9))]}, {rank: slots}))
-    assert sched.num_new_matched_tokens(request, 0)[:2] == (4 * BLOCK, True)  # 8 // 2 blocks
-    assert sched.num_new_matched_tokens(request, 2 * BLOCK)[:2] == (4 * BLOCK, True)  # to 6
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({1: []}, {1: 64}))  # now rank 0 bounds
-    assert sched.num_new_matched_tokens(request, 0)[:2] == (8 * BLOCK, True)
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: []}, {0: 64}))
+    for rank in (0, 1):
+        report(sched, rank, keys(request, range(9)), new=ON_DISK)
     assert sched.num_new_matched_tokens(request, 0)[:2] == (9 * BLOCK, True)
+    assert sched.num_new_matched_tokens(request, 2 * BLOCK)[:2] == (7 * BLOCK, True)
+
+
+def test_a_rank_reset_forgets_only_that_ranks_keys(make_request):
+    sched = full_attention(world_size=2)
+    request = make_request("r", 100)
+    for rank in (0, 1):
+        report(sched, rank, keys(request, range(3)))
+    report(sched, 1, keys(request, [0]), reset=True)  # rank 1 was reset, then stored block 0
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (32, True)
 
 
 def test_a_different_prompt_does_not_hit(make_request):
@@ -281,7 +284,7 @@ def test_lookup_waits_while_its_prefix_is_being_stored(make_request):
     that prefix waits for the report (vLLM asks again) instead of missing."""
     sched = full_attention(world_size=2)
     for rank in (0, 1):
-        sched.apply_worker_meta(KVOffloadWorkerMetadata({rank: []}, {rank: 64}, {rank: -1}))
+        report(sched, rank, reflected_step=-1)
     first = make_request("a", 100)
     sched.num_new_matched_tokens(first, 0)
     new = NewRequestData.from_request(first, ([1, 2, 3, 4],))
@@ -291,10 +294,10 @@ def test_lookup_waits_while_its_prefix_is_being_stored(make_request):
     other = make_request("c", 100, first_token=500)
     assert sched.num_new_matched_tokens(again, 0)[:2] == (None, False)
     assert sched.num_new_matched_tokens(other, 0)[:2] == (0, False)  # unrelated: no wait
-    done = [(k, ABSENT, IN_HOST) for k in keys(first, range(3))]
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: done}, {}, {0: meta.step}))
+    done = keys(first, range(3))
+    report(sched, 0, done, reflected_step=meta.step)
     assert sched.num_new_matched_tokens(again, 0)[:2] == (None, False)  # rank 1 not yet
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({1: done}, {}, {1: meta.step}))
+    report(sched, 1, done, reflected_step=meta.step)
     assert sched.num_new_matched_tokens(again, 0)[:2] == (96, True)
 
 
@@ -306,10 +309,9 @@ def test_lookup_waits_until_a_reset_is_reported(make_request):
     assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
     meta = sched.build_meta(output())
     assert meta.reset
-    dropped = [(k, IN_HOST, ABSENT) for k in keys(request, range(3))]
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: dropped}, {}, {0: meta.step - 1}))
+    report(sched, 0, reflected_step=meta.step - 1)
     assert sched.num_new_matched_tokens(request, 0)[:2] == (None, False)
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({0: []}, {}, {0: meta.step}))
+    report(sched, 0, reset=True, reflected_step=meta.step)
     assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
 
 

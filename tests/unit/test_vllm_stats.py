@@ -32,6 +32,8 @@ def worker_stats(rank: int, load_bytes: int, host_used: int) -> KVOffloadStats:
     stats.record_store(blocks=2, nbytes=1000, seconds=0.5, failed_blocks=rank // 2,
                        skipped_blocks=3)
     stats.set_usage(host_used, 8 * GIB, 0, 0, rank=rank)
+    stats.record_faults(worker=rank + 1)
+    stats.record_storage_failures(read_keys=rank, write_keys=1)
     return stats
 
 
@@ -39,6 +41,7 @@ def scheduler_stats() -> KVOffloadStats:
     stats = KVOffloadStats()
     stats.record_lookup(query_tokens=1000, hit_tokens=256, host_tokens=192, disk_tokens=64)
     stats.record_lookup(query_tokens=600, hit_tokens=0, host_tokens=0, disk_tokens=0)
+    stats.record_faults(scheduler=1)
     return stats
 
 
@@ -102,6 +105,8 @@ def test_reduce_from_known_inputs():
     stats.record_load(blocks=10, nbytes=2_000_000_000, seconds=0.5, failed_blocks=2)
     stats.record_store(blocks=1, nbytes=123, seconds=0.0, failed_blocks=1, skipped_blocks=4)
     stats.set_usage(3 * GIB, 8 * GIB, 0, 0, rank=0)
+    stats.record_faults(scheduler=1, worker=2)
+    stats.record_storage_failures(read_keys=3, write_keys=4)
     summary = stats.reduce()
     assert summary == {
         "Lookups": 1,
@@ -112,6 +117,8 @@ def test_reduce_from_known_inputs():
         "Store GB/s": 0.0,  # no measured time: no rate
         "Failed blocks (load/store)": 3,
         "Skipped store blocks": 4,
+        "Faults contained": 3,
+        "Storage failed keys (read/write)": 7,
         "Host used (GiB)": 3.0,  # no disk budget: no disk entry
     }
     stats.set_usage(GIB, 2 * GIB, GIB // 2, 4 * GIB, rank=1)

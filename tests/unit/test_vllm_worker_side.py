@@ -15,9 +15,9 @@ import torch  # noqa: E402
 
 from kv_offload.config import OffloadConfig  # noqa: E402
 from kv_offload.engine_alloc import allocate_kv_caches  # noqa: E402
+from kv_offload.key_view import storage_key  # noqa: E402
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec  # noqa: E402
-from kv_offload.tiering import storage_key  # noqa: E402
-from kv_offload.vllm.metadata import ABSENT, IN_HOST, ON_DISK  # noqa: E402
+from kv_offload.types import Location  # noqa: E402
 from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
 
 NUM_BLOCKS = 32
@@ -26,6 +26,7 @@ FULL = FullAttentionSpec(**ATTN)
 GROUPS = [KVCacheGroup(["layers.0.attn", "layers.1.attn"], FULL)]
 BYTES_PER_BLOCK = 2 * FULL.page_size_bytes  # two layers
 WAIT_S = 10.0
+ABSENT, IN_HOST, ON_DISK = Location.ABSENT, Location.HOST, Location.STORAGE
 
 
 class Engine:
@@ -89,10 +90,27 @@ def wait_loads(worker: OffloadWorker, request_ids: set[str]) -> tuple[set[str], 
     return finished, failed
 
 
-def changes(worker: OffloadWorker) -> dict:
+def report(worker: OffloadWorker):
     meta = worker.report()
-    assert list(meta.changes) == [worker.rank]
-    return {key: (old, new) for key, old, new in meta.changes[worker.rank]}
+    assert list(meta.reports) == [worker.rank]
+    return meta.reports[worker.rank]
+
+
+def changes(worker: OffloadWorker) -> dict:
+    """key -> its new location, for the keys this rank reports changed."""
+    return {change.key: change.location for change in report(worker).changes}
+
+
+def wait_for_changes(worker: OffloadWorker, expected: dict) -> dict:
+    """Reports until these changes were all seen (the storage tier's feed is polled by
+    the pump, a few ms behind); returns everything reported meanwhile."""
+    seen: dict = {}
+    deadline = time.monotonic() + WAIT_S
+    while any(seen.get(k) != v for k, v in expected.items()):
+        assert time.monotonic() < deadline, f"never reported: {expected} (saw {seen})"
+        seen.update(changes(worker))
+        time.sleep(0.005)
+    return seen
 
 
 def test_stores_are_reported_once_and_load_back_byte_identical(workers):
@@ -103,7 +121,7 @@ def test_stores_are_reported_once_and_load_back_byte_identical(workers):
     originals = [engine.block_bytes(0, b) for b in (1, 2, 3, 4)]
     assert changes(worker) == {}  # first report: nothing held yet
     store(worker, {0: (hashes, [1, 2, 3, 4])})
-    assert changes(worker) == {(h, 0): (ABSENT, IN_HOST) for h in hashes}
+    assert changes(worker) == {(h, 0): IN_HOST for h in hashes}
     assert changes(worker) == {}  # exactly once
 
     engine.zero(0, range(NUM_BLOCKS))
@@ -141,14 +159,14 @@ def test_same_hash_in_two_groups_is_two_keys(workers):
     swa, full = engine.block_bytes(0, 3), engine.block_bytes(1, 4)
     assert not same_bytes(swa, full)
     store(worker, {0: ([h], [3]), 1: ([h], [4])})
-    assert changes(worker) == {(h, 0): (ABSENT, IN_HOST), (h, 1): (ABSENT, IN_HOST)}
+    assert changes(worker) == {(h, 0): IN_HOST, (h, 1): IN_HOST}
     worker.start_loads({"r": {0: ([h], [8]), 1: ([h], [9])}})
     assert wait_loads(worker, {"r"})[1] == set()
     assert same_bytes(engine.block_bytes(0, 8), swa)
     assert same_bytes(engine.block_bytes(1, 9), full)
 
 
-def test_reset_reports_host_keys_gone(workers):
+def test_a_reset_is_reported_as_one_flag_not_a_removal_per_key(workers):
     engine = Engine()
     worker = make_worker(engine)
     workers.append(worker)
@@ -156,7 +174,9 @@ def test_reset_reports_host_keys_gone(workers):
     store(worker, {0: (hashes, [1, 2, 3])})
     changes(worker)
     worker.reset()
-    assert changes(worker) == {(h, 0): (IN_HOST, ABSENT) for h in hashes}
+    after = report(worker)
+    assert after.reset and after.changes == ()
+    assert not report(worker).reset  # once
     worker.start_loads({"r": {0: (hashes[:1], [5])}})
     assert wait_loads(worker, {"r"})[1] == {"r"}
 
@@ -192,13 +212,14 @@ def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(workers, tmp_path
     hashes = [block_hash(i, b"disk") for i in range(4)]
     originals = [engine.block_bytes(0, b) for b in (1, 2, 3, 4)]
     store(first, {0: (hashes, [1, 2, 3, 4])})
-    assert set(changes(first).values()) == {(ABSENT, IN_HOST)}
+    assert set(changes(first).values()) == {IN_HOST}
     first.shutdown()  # finishes the write-through to disk
 
     engine.zero(0, range(NUM_BLOCKS))
     second = make_worker(engine, tmp_path)  # a new process over the same directory
     workers.append(second)
-    assert changes(second) == {(h, 0): (ABSENT, ON_DISK) for h in hashes}
+    assert wait_for_changes(second, {(h, 0): ON_DISK for h in hashes}) == {
+        (h, 0): ON_DISK for h in hashes}
     assert changes(second) == {}
 
     files = list((tmp_path / "kv").rglob(storage_key((hashes[3], 0)).hex() + ".safetensors"))
@@ -214,8 +235,8 @@ def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(workers, tmp_path
     for b, original in zip((5, 6, 7), originals):
         assert same_bytes(engine.block_bytes(0, b), original)
     # Read back into host memory; the corrupt key is gone from every tier.
-    assert changes(second) == {**{(h, 0): (ON_DISK, IN_HOST) for h in hashes[:3]},
-                               (hashes[3], 0): (ON_DISK, ABSENT)}
+    expected = {**{(h, 0): IN_HOST for h in hashes[:3]}, (hashes[3], 0): ABSENT}
+    assert wait_for_changes(second, expected) == expected
     assert not files[0].exists()
 
 
@@ -231,30 +252,35 @@ def test_host_eviction_is_reported(workers):
     workers.append(worker)
     old, new = [block_hash(0), block_hash(1)], [block_hash(2), block_hash(3)]
     store(worker, {0: (old, [1, 2])})
-    assert changes(worker) == {(h, 0): (ABSENT, IN_HOST) for h in old}
+    assert changes(worker) == {(h, 0): IN_HOST for h in old}
     store(worker, {0: (new, [3, 4])})  # evicts both older keys (LRU)
-    assert changes(worker) == {**{(h, 0): (IN_HOST, ABSENT) for h in old},
-                               **{(h, 0): (ABSENT, IN_HOST) for h in new}}
+    assert changes(worker) == {**{(h, 0): ABSENT for h in old},
+                               **{(h, 0): IN_HOST for h in new}}
     worker.start_loads({"evicted": {0: (old[:1], [9])}, "kept": {0: (new, [10, 11])}})
     assert wait_loads(worker, {"evicted", "kept"})[1] == {"evicted"}
 
 
-def test_a_store_without_room_counts_as_skipped(workers):
+def test_a_store_larger_than_the_room_stores_its_leading_blocks_and_skips_the_rest(workers):
     engine = Engine()
     worker = small_host_worker(engine, slots=2)
     workers.append(worker)
-    store(worker, {0: ([block_hash(i) for i in range(3)], [1, 2, 3])})  # 3 blocks, 2 slots
-    assert changes(worker) == {}  # nothing was stored
+    hashes = [block_hash(i) for i in range(3)]
+    store(worker, {0: (hashes, [1, 2, 3])})  # 3 blocks, 2 slots
+    assert changes(worker) == {(h, 0): IN_HOST for h in hashes[:2]}
     worker.finished_loads()
     stats = worker.take_stats()
-    assert stats.count("store_skipped_blocks") == 3
+    assert stats.count("store_blocks") == 2
+    assert stats.count("store_skipped_blocks") == 1
     assert stats.count("store_failed_blocks") == 0
 
 
-def test_reset_drops_disk_files_too_and_survives_a_read_in_flight(workers, tmp_path):
+def test_reset_serves_nothing_stored_before_it_keeps_files_and_survives_a_read(workers,
+                                                                             tmp_path):
     """vLLM resets the connector after new weights: nothing stored before may be served
-    after, from host memory or disk. A load reading from disk at that moment fails (its
-    request is recomputed) and the worker keeps working."""
+    after, from host memory or disk. The reset does not wait and deletes no file (other
+    engines sharing the directory may be reading them): a new key generation starts. A load
+    reading from disk at that moment ends normally or fails (recomputed); the worker keeps
+    working."""
     engine = Engine()
     first = make_worker(engine, tmp_path)
     workers.append(first)
@@ -263,16 +289,16 @@ def test_reset_drops_disk_files_too_and_survives_a_read_in_flight(workers, tmp_p
     first.shutdown()
     worker = make_worker(engine, tmp_path)  # disk only: loads read files into host slots
     workers.append(worker)
-    assert set(changes(worker).values()) == {(ABSENT, ON_DISK)}
+    wait_for_changes(worker, {(h, 0): ON_DISK for h in hashes})
 
     worker.start_loads({"r": {0: (hashes, [4, 5, 6])}})
     worker.reset()  # while the files are being read, or right after
-    finished, failed = wait_loads(worker, {"r"})
+    wait_loads(worker, {"r"})
     assert worker._pump.is_alive()
-    assert not list((tmp_path / "kv").rglob("*.safetensors"))
-    gone = changes(worker)
-    assert all(new == ABSENT for _, new in gone.values()) and set(gone) >= {
-        (h, 0) for h in hashes}
+    assert len(list((tmp_path / "kv").rglob("*.safetensors"))) == 3  # nothing deleted
+    assert report(worker).reset
+    worker.start_loads({"old": {0: (hashes, [4, 5, 6])}})
+    assert wait_loads(worker, {"old"}) == ({"old"}, {"old"})  # never served after the reset
     # Still serving: a new store and load round-trip.
     store(worker, {0: ([block_hash(9, b"reset")], [7])})
     worker.start_loads({"s": {0: ([block_hash(9, b"reset")], [8])}})

@@ -15,19 +15,17 @@ from vllm.v1.core.sched.output import (
 )
 from vllm.v1.request import Request
 
-from kv_offload.vllm.metadata import (
-    ABSENT,
-    IN_HOST,
-    ON_DISK,
-    KVOffloadWorkerMetadata,
-)
+from kv_offload.types import KeyChange, Location
+from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport
 from kv_offload.vllm.scheduler_side import OffloadScheduler
 from kv_offload.vllm.spec_translation import translate_groups
 
+ABSENT, IN_HOST, ON_DISK = Location.ABSENT, Location.HOST, Location.STORAGE
 BLOCK = 32
 ATTN = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
 __all__ = ["ABSENT", "ATTN", "BLOCK", "IN_HOST", "ON_DISK", "CachedRequestData",
            "KVOffloadWorkerMetadata", "NewRequestData", "OffloadScheduler", "cached_step",
+           "rank_meta",
            "full_attention", "hashes_of", "keys", "mixed_block_sizes", "output", "report",
            "request_factory", "run_hit", "scheduler_for", "stored", "vkv"]
 
@@ -60,8 +58,17 @@ def keys(request: Request, blocks, group: int = 0) -> list[tuple[bytes, int]]:
     return [(bytes(request.block_hashes[i]), group) for i in blocks]
 
 
-def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST) -> None:
-    sched.apply_worker_meta(KVOffloadWorkerMetadata({rank: [(k, old, new) for k in changed]}))
+def rank_meta(rank: int, changed=(), new=IN_HOST, *, reset: bool = False,
+              reflected_step: int = -1) -> KVOffloadWorkerMetadata:
+    """One rank's report: `changed` keys now at `new`."""
+    changes = tuple(KeyChange(k, new) for k in changed)
+    return KVOffloadWorkerMetadata({rank: RankReport(changes, reset, reflected_step)})
+
+
+def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST,
+           **kwargs) -> None:
+    """Apply a rank's report (`old` documents the transition; the protocol sends `new`)."""
+    sched.apply_worker_meta(rank_meta(rank, changed, new, **kwargs))
 
 
 def output(new=(), cached: CachedRequestData | None = None, scheduled=None,

@@ -7,6 +7,15 @@ so a load never queues behind a long store; jobs of one direction run in
 submission order. Nothing orders a store against a load: the caller must not
 load a slot before the store into it has finished (the manager's rule anyway).
 
+Engine memory on the CPU: a worker copies a job on the spot. On a GPU: a worker
+only enqueues the job on the direction's copy stream (several jobs may be in
+flight) and the job completes when its event does, seen by `event.query()` from
+the worker (every `POLL_INTERVAL_S` while jobs are in flight) or from `poll`;
+nothing synchronises on the host. A GPU copy waits for an `EngineReady`: the
+caller records it with `engine_ready()` on the engine's stream (e.g. vLLM's
+current stream right after the forward, for stores) and passes it as `ready=`;
+without one, `submit_*` records it on the calling thread's current stream.
+
 Every job ends with one `TransferResult`, collected with `poll` or `wait`. A
 bad id, a conflicting pair or an exception during the copy fails that job and
 is logged; it is never raised into the caller.
@@ -19,7 +28,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,21 +41,41 @@ from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
 from kv_offload.kernels import BlockCopier, HostSlotLayout
 from kv_offload.kernels.plan import IdsLike
+from kv_offload.kernels.runtime import CudaRuntime, EngineReady
 from kv_offload.transfer import BlockTransfer, Direction, TransferJob, TransferResult
 
 logger = logging.getLogger(__name__)
 
 Transfers = Mapping[int, tuple[IdsLike, IdsLike]]
 
+POLL_INTERVAL_S = 0.0002  # how often a worker queries its GPU jobs' events while any run
+CLOSE_TIMEOUT_S = 60.0  # close() fails GPU jobs still running after this long
+
+
+@dataclass
+class _Queued:
+    job: TransferJob
+    ready: EngineReady | None
+
+
+@dataclass
+class _InFlight:
+    job: TransferJob
+    handle: object  # BlockCopier.submit's handle: done(), wait(), error
+    num_bytes: int
+    started: float
+
 
 class CpuBackend:
     """Host-memory tier for one engine's canonical KV caches."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
-                 pin: bool | None = None) -> None:
+                 pin: bool | None = None, runtime: CudaRuntime | None = None) -> None:
+        """`runtime` drives the GPU copy path with another CUDA runtime than cupy's
+        (the tests' host executor); by default the engine memory's device decides."""
         self.layout = HostSlotLayout.from_canonical(canonical)
-        self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin)
-        self.copier = BlockCopier(canonical, self.pool, self.layout)
+        self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin, runtime)
+        self.copier = BlockCopier(canonical, self.pool, self.layout, runtime)
         self.slot_map = SlotMap(self.num_slots)
         self._ids = itertools.count(1)
         self._finished: dict[int, TransferResult] = {}
@@ -52,8 +83,9 @@ class CpuBackend:
         self._cond = threading.Condition()
         self._closed = False
         self._queues = {d: queue.SimpleQueue() for d in Direction}
+        self._in_flight: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
         self._workers = [
-            threading.Thread(target=self._work, args=(self._queues[d],), daemon=True,
+            threading.Thread(target=self._work, args=(d,), daemon=True,
                              name=f"kv-offload-cpu-{d.value}")
             for d in Direction
         ]
@@ -85,16 +117,26 @@ class CpuBackend:
             raise TransferError(f"slot ids must be in [0, {self.num_slots})")
         return self.slot_map.rows(slots)
 
-    def submit_store(self, transfers: Transfers) -> int:
-        """Start copying engine blocks into slots: `{group: (block_ids, slot_ids)}`."""
-        return self.submit(Direction.STORE, transfers)
+    def engine_ready(self) -> EngineReady:
+        """Record, on the calling thread's current stream (the engine's), the point a
+        copy must wait for; pass it to `submit_store`/`submit_load` as `ready`. On
+        CPU engine memory there is nothing to wait for (an empty EngineReady)."""
+        return self.copier.engine_ready()
 
-    def submit_load(self, transfers: Transfers) -> int:
-        """Start copying slots back into engine blocks: `{group: (block_ids, slot_ids)}`."""
-        return self.submit(Direction.LOAD, transfers)
+    def submit_store(self, transfers: Transfers, ready: EngineReady | None = None) -> int:
+        """Start copying engine blocks into slots: `{group: (block_ids, slot_ids)}`,
+        on a GPU after `ready` (the forward that wrote the blocks)."""
+        return self.submit(Direction.STORE, transfers, ready)
 
-    def submit(self, direction: Direction, transfers: Transfers) -> int:
-        """Queue a job and return its id at once. Raises only after `close`."""
+    def submit_load(self, transfers: Transfers, ready: EngineReady | None = None) -> int:
+        """Start copying slots back into engine blocks: `{group: (block_ids, slot_ids)}`,
+        on a GPU after `ready` (the engine's own work on those blocks)."""
+        return self.submit(Direction.LOAD, transfers, ready)
+
+    def submit(self, direction: Direction, transfers: Transfers,
+               ready: EngineReady | None = None) -> int:
+        """Queue a job and return its id at once. Raises only after `close`.
+        GPU: `ready` None records one now on the calling thread's current stream."""
         with self._cond:
             if self._closed:
                 raise TierClosedError("CpuBackend is closed; no new jobs are accepted")
@@ -102,18 +144,32 @@ class CpuBackend:
             self._pending.add(job_id)
         try:
             job = TransferJob(job_id, direction, _block_transfers(transfers))
+            if ready is None and self.copier.asynchronous:
+                ready = self.copier.engine_ready()
+            elif ready is not None and not isinstance(ready, EngineReady):
+                raise TransferError(f"ready must be an EngineReady (from engine_ready()), "
+                                    f"got {type(ready).__name__}")
         except Exception as exc:  # unreadable ids: fail the job, do not raise
             self._finish(_failure(job_id, direction, (), 0.0, exc))
             return job_id
-        self._queues[direction].put(job)
+        self._queues[direction].put(_Queued(job, ready))
         return job_id
 
     def poll(self) -> list[TransferResult]:
-        """Results of the jobs finished since the last call, each once. Never blocks."""
+        """Results of the jobs finished since the last call, each once. Never blocks
+        (GPU jobs in flight are asked whether their event has completed)."""
+        for direction in Direction:
+            self._collect(direction)
         with self._cond:
             results = list(self._finished.values())
             self._finished.clear()
         return results
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """GPU jobs enqueued whose completion has not been seen yet."""
+        with self._cond:
+            return sum(len(q) for q in self._in_flight.values())
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
         """Block until every job in `job_ids` has finished; return their results in
@@ -152,29 +208,73 @@ class CpuBackend:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _work(self, jobs: queue.SimpleQueue) -> None:
-        while (job := jobs.get()) is not None:
-            self._finish(self._run(job))
+    def _work(self, direction: Direction) -> None:
+        jobs = self._queues[direction]
+        while True:
+            try:  # with GPU jobs in flight, wake up to query their events
+                queued = jobs.get(timeout=POLL_INTERVAL_S if self._in_flight[direction]
+                                  else None)
+            except queue.Empty:
+                self._collect(direction)
+                continue
+            if queued is None:
+                break
+            self._start(queued)
+            self._collect(direction)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while self._in_flight[direction] and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+            self._collect(direction)
+        with self._cond:
+            stuck, self._in_flight[direction] = list(self._in_flight[direction]), deque()
+        for flight in stuck:
+            self._finish(_failure(flight.job.job_id, direction, flight.job.transfers,
+                                  time.perf_counter() - flight.started,
+                                  TimeoutError("the copy did not complete before close")))
 
-    def _run(self, job: TransferJob) -> TransferResult:
-        start = time.perf_counter()
+    def _start(self, queued: _Queued) -> None:
+        job, start = queued.job, time.perf_counter()
         try:
             checked = self.copier.plan(job.direction, {
                 t.group: (t.block_ids, t.slot_ids) for t in job.transfers
             })
             plan = self.slot_map.physical(checked, self.copier.canonical.num_blocks)
-            self.copier.submit(plan).wait()
+            handle = self.copier.submit(plan, queued.ready)
         except Exception as exc:
-            return _failure(job.job_id, job.direction, job.transfers,
-                            time.perf_counter() - start, exc)
-        return TransferResult(job.job_id, job.direction, True, plan.num_bytes,
-                              time.perf_counter() - start)
+            self._finish(_failure(job.job_id, job.direction, job.transfers,
+                                  time.perf_counter() - start, exc))
+            return
+        with self._cond:
+            self._in_flight[job.direction].append(_InFlight(job, handle, plan.num_bytes, start))
+
+    def _collect(self, direction: Direction) -> None:
+        """Finish the direction's jobs whose copies have completed, oldest first (one
+        stream: a job completes only after the ones enqueued before it)."""
+        with self._cond:
+            flights = self._in_flight[direction]
+            while flights:
+                flight = flights[0]
+                try:
+                    if not flight.handle.done():
+                        break
+                    error = flight.handle.error
+                except Exception as exc:  # the runtime failed the query itself
+                    error = exc
+                flights.popleft()
+                seconds = time.perf_counter() - flight.started
+                job = flight.job
+                self._finish_locked(
+                    _failure(job.job_id, direction, job.transfers, seconds, error) if error
+                    else TransferResult(job.job_id, direction, True, flight.num_bytes, seconds))
 
     def _finish(self, result: TransferResult) -> None:
         with self._cond:
-            self._pending.discard(result.job_id)
-            self._finished[result.job_id] = result
-            self._cond.notify_all()
+            self._finish_locked(result)
+
+    def _finish_locked(self, result: TransferResult) -> None:
+        self._pending.discard(result.job_id)
+        self._finished[result.job_id] = result
+        self._cond.notify_all()
 
 
 def _block_transfers(transfers: Transfers) -> tuple[BlockTransfer, ...]:

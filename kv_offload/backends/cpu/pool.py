@@ -6,6 +6,7 @@ import torch
 
 from kv_offload.errors import ConfigError
 from kv_offload.kernels.geometry import HostSlotLayout
+from kv_offload.kernels.runtime import CudaRuntime
 
 PAGE_BYTES = 4096  # O_DIRECT alignment
 
@@ -16,14 +17,15 @@ def cuda_present() -> bool:
 
 
 def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
-                  pin: bool | None = None) -> torch.Tensor:
+                  pin: bool | None = None, runtime: CudaRuntime | None = None) -> torch.Tensor:
     """An int8 `(num_slots, slot_bytes)` tensor using at most `cpu_bytes_to_use` bytes.
 
     Pinned (page-locked, so the GPU can DMA it and kernels can address it)
     when CUDA is present, unless `pin` says otherwise; plain memory otherwise.
     The memory is not touched here: the OS commits pages on first write. The pool
     starts on a page boundary (pinned memory always does) so the disk tier can read
-    and write slots with O_DIRECT."""
+    and write slots with O_DIRECT. A given CUDA `runtime` allocates the pinned memory
+    (the tests' host executor stands in for the GPU that way)."""
     if isinstance(cpu_bytes_to_use, bool) or not isinstance(cpu_bytes_to_use, int):
         raise ConfigError(f"cpu_bytes_to_use must be an int (bytes), got {cpu_bytes_to_use!r}")
     if layout.slot_bytes <= 0:
@@ -35,12 +37,30 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
             f"({layout.slot_bytes} bytes = one block of the largest cache group); "
             f"expected at least {layout.slot_bytes}"
         )
+    if runtime is not None:
+        return runtime.pinned_empty(num_slots * layout.slot_bytes).view(torch.int8).view(
+            num_slots, layout.slot_bytes)
     pin = cuda_present() if pin is None else pin
     if pin and not cuda_present():
         raise ConfigError("pinned host memory was asked for, but CUDA is not available")
-    if pin:
-        return torch.empty((num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=True)
     nbytes = num_slots * layout.slot_bytes
     raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.int8)
     shift = (-raw.data_ptr()) % PAGE_BYTES
-    return raw[shift:shift + nbytes].view(num_slots, layout.slot_bytes)
+    pool = raw[shift:shift + nbytes].view(num_slots, layout.slot_bytes)
+    if pin:
+        # Page-lock exactly these bytes. torch's pinned allocator (`pin_memory=True`) rounds
+        # each request up to a power of two: 20 GiB would lock 32 GiB of the machine.
+        register_pinned(pool)
+    return pool
+
+
+def register_pinned(pool: torch.Tensor) -> None:
+    """Page-lock `pool`'s bytes with `cudaHostRegister` (unregistered at exit by the driver
+    with the process; the pool lives as long as its backend)."""
+    cudart = torch.cuda.cudart()
+    nbytes = pool.numel() * pool.element_size()
+    status = cudart.cudaHostRegister(pool.data_ptr(), nbytes, 0)
+    if int(status) != 0:
+        raise ConfigError(f"cannot page-lock {nbytes} bytes of host memory for the host tier "
+                          f"(cudaHostRegister returned {int(status)}); lower cpu_bytes_to_use "
+                          f"or raise the memlock limit (ulimit -l)")

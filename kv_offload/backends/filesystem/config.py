@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kv_offload.backends.base import TierStats
+from kv_offload.backends.options import option
 from kv_offload.errors import ConfigError
 
 
@@ -14,18 +15,27 @@ class FilesystemTierConfig:
     """Settings of a filesystem tier.
 
     ``root_dir`` and ``bytes_to_use`` are ``fs_root_dir`` and ``fs_bytes_to_use`` of the
-    connector config. ``layout_fingerprint`` names the page layout of the model: files written
-    under another fingerprint are never served.
+    connector config, or options of ``storage_tier: "filesystem"`` (every field but the
+    fingerprint is one). ``layout_fingerprint`` names the page layout of the model: files
+    written under another fingerprint are never served. ``bytes_to_use`` bounds every file
+    under ``root_dir``, other layout directories included (see ``root_budget``).
     """
 
-    root_dir: str
-    layout_fingerprint: str
-    bytes_to_use: int
-    io_threads: int = 8
-    direct_io: bool = True  # use O_DIRECT where the filesystem supports it
-    fsync: bool = False  # fsync file and directory on every write (survive power loss)
-    rescan_interval_s: float = 5.0  # 0: never rescan (no other process shares the directory)
-    stale_temp_s: float = 600.0  # sweep another host's temporary files older than this
+    root_dir: str = option("str", doc="the directory of the tier")
+    layout_fingerprint: str  # given by the connector, not an option
+    bytes_to_use: int = option("size", doc="the disk budget of the whole root, LRU-evicted")
+    io_threads: int = option("count", 8, "I/O threads")
+    direct_io: bool = option("bool", True, "use O_DIRECT where the filesystem supports it")
+    fsync: bool = option("bool", False, "fsync file and directory on every write")
+    rescan_interval_s: float = option("seconds", 5.0, "seconds between scans for other "
+                                                      "processes' files (0: never)")
+    stale_temp_s: float = option("seconds", 600.0, "sweep another host's temporary files "
+                                                   "older than this")
+    # A layout directory whose heartbeat (and newest file) is older than this is no live
+    # tier's: it may be evicted when the root is over budget. Tiers touch their heartbeat at
+    # every rescan and at least every quarter of this. Use one value for all tiers of a root.
+    heartbeat_timeout_s: float = option("seconds", 120.0, "a layout directory without a "
+                                                          "heartbeat for this long is evictable")
 
     def __post_init__(self) -> None:
         if isinstance(self.root_dir, os.PathLike):
@@ -41,6 +51,14 @@ class FilesystemTierConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 label = "fs_bytes_to_use" if name == "bytes_to_use" else name
                 raise ConfigError(f"{label} must be a positive int, got {value!r}")
+        if (
+            not isinstance(self.heartbeat_timeout_s, (int, float))
+            or isinstance(self.heartbeat_timeout_s, bool)
+            or self.heartbeat_timeout_s <= 0
+        ):
+            raise ConfigError(
+                f"heartbeat_timeout_s must be a number > 0, got {self.heartbeat_timeout_s!r}"
+            )
         for name in ("rescan_interval_s", "stale_temp_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -52,3 +70,6 @@ class FilesystemTierStats(TierStats):
     """A snapshot of what the tier holds and what it did since it started."""
 
     direct_io: bool = False
+    foreign_bytes: int = 0  # bytes under the root outside this tier's layout dir (last rescan)
+    live_foreign_dirs: int = 0  # other layout dirs with a live tier (last rescan)
+    share_bytes: int = 0  # the budget left for this tier's own keys (last rescan)

@@ -20,8 +20,8 @@ from kv_offload.backends.filesystem.fileformat import (
     parse_temp_file_name,
     temp_file_name,
 )
-from kv_offload.backends.filesystem.index import ScannedFile
 from kv_offload.backends.filesystem.io_engine import probe_direct_io, unlink_quietly
+from kv_offload.backends.filesystem.listing import ScanListing
 from kv_offload.errors import TierRootError
 
 _HEX = "0123456789abcdef"
@@ -76,12 +76,13 @@ def _is_stale_temp(name: str, mtime: float, host: str, stale_temp_s: float, now:
 
 def scan_layout_dir(
     layout_dir: str, host: str, stale_temp_s: float
-) -> tuple[list[ScannedFile], int]:
+) -> tuple[ScanListing, int]:
     """List the final files of a layout directory and sweep stale temporary files.
 
     Returns (files found, temporary files removed). Files that vanish mid-scan are skipped.
+    Holds no lock: the stat calls release the GIL, so other threads run between them.
     """
-    files: list[ScannedFile] = []
+    files = ScanListing()
     swept = 0
     now = time.time()
     for fanout in FANOUT_DIRS:
@@ -97,7 +98,7 @@ def scan_layout_dir(
                 continue
             if key is not None:
                 if fanout_dir_name(key) == fanout and entry.is_file(follow_symlinks=False):
-                    files.append(ScannedFile(key, st.st_size, st.st_mtime))
+                    files.add(key, st.st_size, st.st_mtime)
             elif _is_stale_temp(entry.name, st.st_mtime, host, stale_temp_s, now):
                 swept += unlink_quietly(entry.path)
     return files, swept

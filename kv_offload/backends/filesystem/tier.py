@@ -5,16 +5,24 @@
   under a temporary name and is renamed into place; a read fills the host buffer in place and
   is served only if the header (format, layout fingerprint, key, size) and the xxh3 checksum
   of the data match. A bad file is removed and reported as a failed key, never raised.
-- A byte budget with LRU eviction; a key being read is never evicted.
+- A byte budget with LRU eviction; a key being read is never evicted. A write deletes the
+  files it evicts only after its own file has landed: a full disk fails the write and keeps
+  them. Write failures are counted by reason and logged once per episode (``episodes``).
+- The budget covers the whole root: other layout directories count against it, stale ones are
+  evicted first, live ones share it (``root_budget``; done in the background rescan).
 - Sharing: several processes (one host, or many over NFS/Lustre/...) may use one directory.
   Renames are atomic, deletes tolerate vanished files, and every ``rescan_interval_s`` seconds
   a background scan adds keys written by others and drops keys deleted by others. A key
-  written elsewhere is therefore visible here within ``rescan_interval_s`` plus one scan.
+  written elsewhere is therefore visible here within ``rescan_interval_s`` plus one scan. The
+  scan lists and stats files holding no lock, and merges into the index in short lock holds.
+- ``take_changes`` hands out what changed (own writes, evictions, bad files, what rescans
+  found), the start-up inventory first, in chunks: callers never need to list the keys.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -30,12 +38,14 @@ import torch
 
 from kv_offload.backends.base import (
     StorageTier,
+    TierChanges,
     TierJobResult,
     check_tier_keys,
     check_tier_request,
 )
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
-from kv_offload.backends.filesystem.directory import prepare_layout_dir, scan_layout_dir
+from kv_offload.backends.filesystem.directory import prepare_layout_dir
+from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
     build_header,
@@ -46,7 +56,7 @@ from kv_offload.backends.filesystem.fileformat import (
     relative_path,
     temp_file_name,
 )
-from kv_offload.backends.filesystem.index import KeyIndex
+from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
     FileSizeMismatch,
     IOEngine,
@@ -54,6 +64,9 @@ from kv_offload.backends.filesystem.io_engine import (
     read_head,
     unlink_quietly,
 )
+from kv_offload.backends.filesystem.rescanner import Rescanner
+from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
+from kv_offload.backends.options import parse_options
 from kv_offload.errors import TierClosedError
 
 logger = logging.getLogger(__name__)
@@ -87,20 +100,32 @@ class FilesystemTier(StorageTier):
         self._index = KeyIndex(config.bytes_to_use)
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards jobs, results and counts
+        self._writes = FailureEpisodes("write", self._counts, self._lock, logger)
+        self._reads = FailureEpisodes("read", self._counts, self._lock, logger)
+        warn_if_larger_than_the_filesystem(self._layout_dir, config.bytes_to_use)
         self._results: deque[TierJobResult] = deque()
         self._job_ids = itertools.count()
         self._temp_token = secrets.token_hex(4)
         self._temp_seq = itertools.count()
         self._closed = False
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io")
-        self.rescan()
-        self._stop = threading.Event()
-        self._rescanner: threading.Thread | None = None
-        if config.rescan_interval_s > 0:
-            self._rescanner = threading.Thread(
-                target=self._rescan_loop, name="kv-fs-rescan", daemon=True
-            )
-            self._rescanner.start()
+        self._rescanner = Rescanner(
+            config, self._layout_dir, self._host, self._index, self._delete, self._count,
+            lambda what: FailureEpisodes(what, self._counts, self._lock, logger),
+        )
+        self._rescanner.rescan(pause=None)  # nobody can call the tier yet: no pauses needed
+        self._rescanner.start()  # rescans, and heartbeats even when rescans are off
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        parse_options(FilesystemTierConfig, options, tier="filesystem", layout_fingerprint="check")
+
+    @classmethod
+    def from_options(cls, options, layout_fingerprint: str) -> FilesystemTier:
+        config = parse_options(FilesystemTierConfig, options, tier="filesystem",
+                               layout_fingerprint=layout_fingerprint)
+        root = os.path.abspath(os.path.expanduser(config.root_dir))
+        return cls(dataclasses.replace(config, root_dir=root))
 
     # -- the StorageTier interface -------------------------------------------------------
 
@@ -117,11 +142,12 @@ class FilesystemTier(StorageTier):
                 self._count("write_skipped_present")
                 continue
             size = data_offset(key, self.config.layout_fingerprint, buf.numel()) + buf.numel()
-            victims = self._index.reserve(size)
-            if victims is None:
+            reservation = self._index.reserve(size)
+            if reservation is None:  # no room in this tier's share, even after evicting all
+                # it may (keys being read, room held by writes in flight): no disk fault
                 self._count("write_failed", "write_failed_budget")
                 continue
-            tasks.append((self._write_one, job, i, key, buf, size, victims))
+            tasks.append((self._write_one, job, i, key, buf, size, reservation))
         return self._start(job, tasks)
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
@@ -145,23 +171,30 @@ class FilesystemTier(StorageTier):
             if self._closed:
                 return
             self._closed = True
-        self._stop.set()
-        if self._rescanner is not None:
-            self._rescanner.join()
+        self._rescanner.stop()
         self._pool.shutdown(wait=True)
 
-    # -- beyond the interface --------------------------------------------------------------
+    # -- optional hooks of the interface, and more -----------------------------------------
+
+    def take_changes(self, max_keys: int) -> TierChanges:
+        """Keys added or removed since the last call (the start-up inventory first), at most
+        ``max_keys``; O(keys handed out), no I/O, never waits on a rescan."""
+        return self._index.feed.take(max_keys)
 
     def stats(self) -> FilesystemTierStats:
         """Keys, bytes and counters (writes, failures by reason, evictions, bad files...)."""
         with self._lock:
             counts = dict(self._counts)
+        root = self._rescanner.root
         return FilesystemTierStats(
             keys=len(self._index),
             bytes_used=self._index.used_bytes,
             bytes_budget=self.config.bytes_to_use,
             counts=counts,
             direct_io=self._io.direct,
+            foreign_bytes=root.foreign_bytes,
+            live_foreign_dirs=root.live_dirs,
+            share_bytes=self._index.budget_bytes,
         )
 
     def keys(self) -> list[bytes]:
@@ -179,15 +212,9 @@ class FilesystemTier(StorageTier):
         return os.path.join(self._layout_dir, relative_path(key))
 
     def rescan(self) -> None:
-        """Scan the directory now: adopt others' keys, drop vanished ones, sweep, evict."""
-        generation = self._index.start_scan()
-        files, swept = scan_layout_dir(self._layout_dir, self._host, self.config.stale_temp_s)
-        added, dropped = self._index.merge_scan(files, generation)
-        self._delete(self._index.evict_to_budget())
-        self._count("rescans")
-        self._count("temp_files_swept", n=swept)
-        self._count("keys_adopted", n=added)
-        self._count("keys_vanished", n=dropped)
+        """Scan the directory now: adopt others' keys, drop vanished ones, sweep temporary
+        files, account for the whole root (heartbeat, other layout dirs) and evict."""
+        self._rescanner.rescan()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -226,11 +253,11 @@ class FilesystemTier(StorageTier):
         self._count("evictions", n=len(keys))
 
     def _write_one(
-        self, job: _Job, i: int, key: bytes, buf: torch.Tensor, size: int, victims: list[bytes]
+        self, job: _Job, i: int, key: bytes, buf: torch.Tensor, size: int,
+        reservation: Reservation,
     ) -> None:
-        ok = False
+        victims: list[bytes] | None = None
         try:
-            self._delete(victims)
             header = build_header(
                 key, self.config.layout_fingerprint, buf.numel(), checksum(host_view(buf))
             )
@@ -249,21 +276,21 @@ class FilesystemTier(StorageTier):
                     if attempt:
                         raise
                     os.makedirs(os.path.dirname(final), exist_ok=True)
-            self._index.commit(key, size, size)
-            ok = True
-            self._count("write_ok")
-            self._count("bytes_written", n=size)
+            victims = self._index.commit(reservation, key, size)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
-            self._count("write_failed", f"write_failed_{name}")
-            logger.warning("kv-offload: write of key %s failed: %s", key.hex(), e)
-        except Exception:
-            self._count("write_failed", "write_failed_bug")
-            logger.exception("kv-offload: unexpected error writing key %s", key.hex())
+            self._writes.failed(name, f"key {key.hex()}: {e}")
+        except Exception as e:
+            self._writes.failed("bug", f"key {key.hex()}: {e!r}", exc_info=True)
         finally:
-            if not ok:
-                self._index.release(size)
-            self._key_done(job, i, ok)
+            if victims is None:  # the write failed: its victims stay, on disk and indexed
+                self._index.release(reservation)
+            self._key_done(job, i, victims is not None)
+        if victims is not None:
+            self._writes.succeeded()
+            self._count("write_ok")
+            self._count("bytes_written", n=size)
+            self._delete(victims)  # only now that the new file has landed
 
     def _read_one(self, job: _Job, i: int, key: bytes, buf: torch.Tensor) -> None:
         ok = False
@@ -274,11 +301,9 @@ class FilesystemTier(StorageTier):
             self._index.remove(key)  # deleted by another process
             self._count("read_failed", "read_failed_vanished")
         except OSError as e:
-            self._count("read_failed", "read_failed_io")
-            logger.warning("kv-offload: read of key %s failed: %s", key.hex(), e)
-        except Exception:
-            self._count("read_failed", "read_failed_bug")
-            logger.exception("kv-offload: unexpected error reading key %s", key.hex())
+            self._reads.failed("io", f"key {key.hex()}: {e}")
+        except Exception as e:
+            self._reads.failed("bug", f"key {key.hex()}: {e!r}", exc_info=True)
         finally:
             self._index.end_read(key)
             self._key_done(job, i, ok)
@@ -298,6 +323,7 @@ class FilesystemTier(StorageTier):
         self._index.touch(key)
         with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
             os.utime(path)
+        self._reads.succeeded()
         self._count("read_ok")
         self._count("bytes_read", n=len(head) + buf.numel())
         return True
@@ -329,10 +355,3 @@ class FilesystemTier(StorageTier):
         self._count("read_failed", "bad_files_removed")
         logger.warning("kv-offload: removed bad file %s (key %s): %s", path, key.hex(), reason)
         return False
-
-    def _rescan_loop(self) -> None:
-        while not self._stop.wait(self.config.rescan_interval_s):
-            try:
-                self.rescan()
-            except Exception:  # a flaky shared filesystem must not kill the thread
-                logger.exception("kv-offload: rescan of %s failed", self._layout_dir)

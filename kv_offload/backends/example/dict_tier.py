@@ -1,8 +1,11 @@
 """A complete third-party storage tier: keys in a dict, in process memory.
 
 It exists to show how small a tier can be: the five methods of ``StorageTier``, the shared
-argument checks, and per-key success reporting. It passes the same suite as the filesystem
-tier (tests/unit/test_tier_suite.py). Jobs complete synchronously; results wait for ``poll``.
+argument checks, and per-key success reporting. It passes the same contract suite as the
+built-in tiers (tests/unit/test_tier_suite.py). Jobs complete synchronously; results wait for
+``poll``. Choose it with ``"storage_tier": "kv_offload.backends.example:DictTier"`` and
+``"storage_options": {"max_bytes": ...}``: the options are the constructor's keyword
+arguments (``StorageTier.from_options``' default), checked at start-up.
 """
 
 from __future__ import annotations

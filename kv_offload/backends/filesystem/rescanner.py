@@ -1,0 +1,131 @@
+"""The filesystem tier's background work: rescans, the root-wide budget, heartbeats.
+
+Contents:
+- `Rescanner`: one thread per tier. Every ``rescan_interval_s`` it lists the layout directory
+  (no lock held), merges the listing into the index (short lock holds), sweeps stale temporary
+  files, fits the whole root into the budget (``root_budget``) and evicts down to this tier's
+  share. With rescans off (interval 0) it still touches the heartbeat, at least every quarter
+  of ``heartbeat_timeout_s``, so that tiers of other layouts see this directory is alive.
+
+Nothing here runs on a caller's path. An exception (a flaky shared filesystem) never kills
+the thread: it is counted and logged once per episode, and the next round tries again.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kv_offload.backends.filesystem.config import FilesystemTierConfig
+from kv_offload.backends.filesystem.directory import scan_layout_dir
+from kv_offload.backends.filesystem.episodes import FailureEpisodes
+from kv_offload.backends.filesystem.index import KeyIndex
+from kv_offload.backends.filesystem.pacing import Pause, let_others_run
+from kv_offload.backends.filesystem.root_budget import RootSurvey, fit_root, touch_heartbeat
+
+logger = logging.getLogger(__name__)
+
+
+class Rescanner:
+    """Rescans one tier's layout directory and keeps the root within the budget."""
+
+    def __init__(
+        self,
+        config: FilesystemTierConfig,
+        layout_dir: str,
+        host: str,
+        index: KeyIndex,
+        delete: Callable[[list[bytes]], None],
+        count: Callable[..., None],
+        episodes: Callable[[str], FailureEpisodes],
+    ) -> None:
+        self._config = config
+        self._layout_dir = layout_dir
+        self._host = host
+        self._index = index
+        self._delete = delete  # deletes the files of evicted keys and counts them
+        self._count = count
+        self._failures = episodes("rescan")
+        self._root_failures = episodes("root_survey")
+        self._lock = threading.Lock()  # one rescan at a time (never taken by a caller)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-fs-rescan", daemon=True)
+        self.root = RootSurvey()  # the root as the last rescan found it
+        self._starved = False  # whether the last rescan left this tier no room at all
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (waits for a rescan in progress)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def rescan(self, pause: Pause = let_others_run) -> None:
+        """One full round now (``pause``: between merge steps; None before anyone calls)."""
+        with self._lock:
+            generation = self._index.start_scan()
+            files, swept = scan_layout_dir(
+                self._layout_dir, self._host, self._config.stale_temp_s
+            )
+            merged = self._index.merge_scan(files, generation, pause)
+            try:  # (an unreadable corner of a shared root must not stop this tier's upkeep)
+                self._fit_root()
+                self._root_failures.succeeded()
+            except OSError as e:
+                name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
+                self._root_failures.failed(name, f"{self._config.root_dir}: {e}")
+            self._delete(self._index.evict_to_budget(pause))
+        self._count("rescans")
+        self._count("temp_files_swept", n=swept)
+        self._count("keys_adopted", n=merged.added)
+        self._count("keys_vanished", n=merged.dropped)
+
+    def _fit_root(self) -> None:
+        config = self._config
+        fit = fit_root(
+            config.root_dir, self._layout_dir, config.bytes_to_use, self._index.used_bytes,
+            config.heartbeat_timeout_s,
+        )
+        self.root = fit.survey
+        self._index.set_budget(fit.share_bytes)
+        if (fit.share_bytes == 0) != self._starved:  # one line when it starts, one when it ends
+            self._starved = fit.share_bytes == 0
+            if self._starved:
+                logger.warning(
+                    "kv-offload: files that are not ours under %s fill the whole disk budget "
+                    "(%d bytes): nothing can be stored", config.root_dir, config.bytes_to_use,
+                )
+            else:
+                logger.warning("kv-offload: the disk tier under %s has room again",
+                               config.root_dir)
+        if fit.evicted.files:
+            self._count("foreign_files_evicted", n=fit.evicted.files)
+            self._count("foreign_bytes_evicted", n=fit.evicted.bytes)
+            self._count("foreign_dirs_removed", n=len(fit.evicted.dirs_removed))
+            logger.info(
+                "kv-offload: the disk root %s was over budget: removed %d files (%d bytes) of "
+                "layout directories no live engine uses", config.root_dir,
+                fit.evicted.files, fit.evicted.bytes,
+            )
+
+    def _loop(self) -> None:
+        heartbeat_s = self._config.heartbeat_timeout_s / 4
+        interval = self._config.rescan_interval_s
+        next_rescan = time.monotonic() + interval if interval > 0 else float("inf")
+        while not self._stop.wait(max(0.0, min(heartbeat_s, next_rescan - time.monotonic()))):
+            try:
+                if time.monotonic() >= next_rescan:
+                    next_rescan = time.monotonic() + interval
+                    self.rescan()
+                else:
+                    touch_heartbeat(self._layout_dir, self._index.used_bytes)
+                self._failures.succeeded()
+            except Exception as e:
+                self._failures.failed(
+                    type(e).__name__, f"{self._layout_dir}: {e!r}", exc_info=True
+                )

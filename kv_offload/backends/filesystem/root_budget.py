@@ -1,0 +1,284 @@
+"""The disk budget covers the whole root: other layout directories, and who is still alive.
+
+Contents:
+- `touch_heartbeat`: mark a layout directory as used by a live tier, with the bytes it holds;
+  returns the time stamp.
+- `survey_root`: bytes under the root outside this tier's layout directory, per directory,
+  and which layout directories are stale (no live tier uses them).
+- `evict_stale`: delete the oldest files of stale layout directories, then empty directories.
+- `fit_root`: all of the above for one tier: the budget share left for its own keys.
+- `warn_if_larger_than_the_filesystem`: a start-up warning about an impossible budget.
+- `RootSurvey`, `ForeignDir`, `StaleEviction`, `RootFit`: what they report.
+
+Why: every model change, upgrade or library format change gets a new layout directory (the
+layout fingerprint names it). Budgeting only one's own directory lets the root grow without
+bound. So ``fs_bytes_to_use`` bounds every file under ``fs_root_dir``. Layout directories
+nobody uses any more are evicted (oldest files first) when the root is over budget. Live
+tiers (the ranks of one engine, other engines on a shared directory) split the budget: each
+evicts its own least recent keys to stay within its share (`RootSurvey.share`), and never
+touches another live tier's directory. Files that are not ours count and are never deleted.
+
+Liveness: every tier touches ``HEARTBEAT_NAME`` in its layout directory at each rescan (and at
+least every quarter of ``heartbeat_timeout_s``). A directory is live while its heartbeat, or
+its newest file, is younger than ``heartbeat_timeout_s`` (a file counts because engines of
+older library versions write no heartbeat; reads refresh file mtimes too). Ages are measured
+against the mtime of this tier's own heartbeat, just touched: on a shared filesystem both
+stamps come from the same clock (the file server's), so clock skew between hosts does not
+matter. Directory mtimes are not used: deleting stale files would refresh them.
+
+Cost: a live tier writes the bytes it holds into its heartbeat, so the others read one small
+file per live directory instead of stating its every file (8 ranks of a million files each
+would otherwise stat 7 million files per rescan, each). Only directories without a fresh
+heartbeat (stale ones, or older library versions) are walked. (Heartbeat files themselves,
+64 bytes each, are not counted.)
+
+Files that are not in a layout directory (anything else an operator put under the root) count
+against the budget but are never deleted. All of this runs in the tier's background rescan,
+never on a caller's path, and holds no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+from kv_offload.backends.filesystem.io_engine import unlink_quietly
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_NAME = ".kv-alive"
+_HEARTBEAT_SIZE = 64
+_HEARTBEAT = re.compile(rb"kv-offload heartbeat: (\d+) bytes\n")
+# layout_dir_name() of any format version: "kv-v<version>-<hex digest of the fingerprint>"
+_LAYOUT_DIR = re.compile(r"^kv-v[0-9A-Za-z._]+-[0-9a-f]+$")
+
+
+@dataclass
+class ForeignDir:
+    """A layout directory under the root that is not this tier's."""
+
+    path: str
+    live: bool
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RootSurvey:
+    """Bytes under the root outside this tier's layout directory."""
+
+    layout_dirs: tuple[ForeignDir, ...] = ()
+    other_bytes: int = 0  # not in any layout directory: counted, never deleted
+
+    @property
+    def foreign_bytes(self) -> int:
+        return self.other_bytes + sum(d.bytes for d in self.layout_dirs)
+
+    def share(self, budget: int) -> int:
+        """The bytes this tier may keep: ``budget`` minus the files that are not ours, split
+        fairly among the live tiers: each other live tier is counted with what it holds, but
+        at most its fair part (an even split). A tier that started late therefore gets its
+        part even while an earlier one fills the whole root (the earlier one shrinks to its
+        part at its next rescan); a tier that needs less leaves the rest to the others.
+        Stale bytes are not taken off: they are the first to go when the root is over budget
+        (a share without them would leave a tier stuck below a dead directory for good)."""
+        available = budget - self.other_bytes
+        live = [d.bytes for d in self.layout_dirs if d.live]
+        fair = available // (len(live) + 1)
+        return max(0, available - sum(min(held, fair) for held in live))
+
+    @property
+    def stale_bytes(self) -> int:
+        return sum(d.bytes for d in self.layout_dirs if not d.live)
+
+    @property
+    def live_dirs(self) -> int:
+        return sum(d.live for d in self.layout_dirs)
+
+
+@dataclass
+class StaleEviction:
+    """What `evict_stale` deleted."""
+
+    files: int = 0
+    bytes: int = 0
+    dirs_removed: list[str] = field(default_factory=list)
+
+
+def touch_heartbeat(layout_dir: str, held_bytes: int) -> float:
+    """Mark ``layout_dir`` as used now by a tier holding ``held_bytes``; return the
+    heartbeat's mtime (the filesystem's clock). Written in place, at a fixed size: a reader
+    that catches a torn write finds no number and walks the directory instead."""
+    path = os.path.join(layout_dir, HEARTBEAT_NAME)
+    line = f"kv-offload heartbeat: {held_bytes} bytes\n".encode().ljust(_HEARTBEAT_SIZE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, line, 0)  # (updates the mtime)
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
+def _read_heartbeat(layout_dir: str) -> tuple[float, int | None]:
+    """(mtime, bytes held) of a layout directory's heartbeat; -inf when there is none, bytes
+    None when it holds no number (torn, or written by an older version)."""
+    try:
+        with open(os.path.join(layout_dir, HEARTBEAT_NAME), "rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime
+            found = _HEARTBEAT.match(f.read(_HEARTBEAT_SIZE))
+    except OSError:
+        return float("-inf"), None
+    return mtime, int(found.group(1)) if found else None
+
+
+def _files_under(path: str):
+    """(path, size, mtime) of every file below ``path`` (symlinks not followed); entries that
+    vanish or cannot be read (another user's directory) are skipped."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _files_under(entry.path)
+                continue
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        yield entry.path, st.st_size, st.st_mtime
+
+
+def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float) -> RootSurvey:
+    """Sizes of everything under ``root`` but ``own_layout_dir``, and which layout dirs are
+    live (heartbeat or newest file younger than ``live_window_s`` before ``now``). A live
+    directory whose heartbeat says what it holds is not walked."""
+    layout_dirs: list[ForeignDir] = []
+    other = 0
+    own = os.path.basename(os.path.normpath(own_layout_dir))
+    for entry in os.scandir(root):
+        if entry.name == own:
+            continue
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        if is_dir and _LAYOUT_DIR.match(entry.name):
+            newest, held = _read_heartbeat(entry.path)
+            if now - newest < live_window_s and held is not None:  # live, and says its size
+                layout_dirs.append(ForeignDir(entry.path, live=True, bytes=held))
+                continue
+            found = ForeignDir(entry.path, live=False)
+            for path, size, mtime in _files_under(entry.path):
+                if os.path.basename(path) != HEARTBEAT_NAME:  # (64 bytes, not counted)
+                    found.bytes += size
+                    newest = max(newest, mtime)
+            found.live = now - newest < live_window_s
+            layout_dirs.append(found)
+        elif is_dir:
+            other += sum(size for _, size, _ in _files_under(entry.path))
+        else:
+            try:
+                other += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+    return RootSurvey(tuple(layout_dirs), other)
+
+
+def evict_stale(
+    stale: list[ForeignDir], nbytes: int, now: float, live_window_s: float
+) -> StaleEviction:
+    """Delete the oldest files of the ``stale`` layout directories until ``nbytes`` are freed,
+    then remove the directories left empty. A directory whose heartbeat came back to life
+    since the survey is skipped."""
+    done = StaleEviction()
+    dirs = [d for d in stale if now - _read_heartbeat(d.path)[0] >= live_window_s]
+    files = sorted(
+        (mtime, size, path)
+        for d in dirs
+        for path, size, mtime in _files_under(d.path)
+        if os.path.basename(path) != HEARTBEAT_NAME
+    )
+    for _, size, path in files:
+        if done.bytes >= nbytes:
+            break
+        if unlink_quietly(path):
+            done.files += 1
+            done.bytes += size
+    for d in dirs:
+        if _prune(d.path):
+            done.dirs_removed.append(d.path)
+    return done
+
+
+def _prune(layout_dir: str) -> bool:
+    """Remove the empty sub-directories of ``layout_dir``, and it too if nothing else is left
+    (its heartbeat aside). True if the directory is gone."""
+    try:
+        entries = list(os.scandir(layout_dir))
+    except FileNotFoundError:
+        return True
+    left = False
+    for entry in entries:
+        if entry.name == HEARTBEAT_NAME:
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                os.rmdir(entry.path)
+                continue
+        except OSError:  # not empty (or vanished): keep it
+            pass
+        left = True
+    if left:
+        return False
+    unlink_quietly(os.path.join(layout_dir, HEARTBEAT_NAME))
+    try:
+        os.rmdir(layout_dir)
+    except OSError:  # a tier started using it again meanwhile
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class RootFit:
+    """The outcome of `fit_root`: the root as surveyed, what was evicted, this tier's share."""
+
+    survey: RootSurvey
+    evicted: StaleEviction
+    share_bytes: int
+
+
+def fit_root(
+    root: str, layout_dir: str, budget: int, own_bytes: int, live_window_s: float
+) -> RootFit:
+    """Touch this tier's heartbeat, survey the root, evict stale layout directories (oldest
+    files first) while the root is over ``budget``, and return this tier's share (see
+    `RootSurvey.share`). The root may exceed the budget between rescans: by what this tier
+    wrote since its last one, or while a tier that holds more than its part has not yet
+    rescanned and shrunk."""
+    now = touch_heartbeat(layout_dir, own_bytes)
+    survey = survey_root(root, layout_dir, now, live_window_s)
+    evicted = StaleEviction()
+    over = own_bytes + survey.foreign_bytes - budget
+    if over > 0 and survey.stale_bytes:
+        evicted = evict_stale(
+            [d for d in survey.layout_dirs if not d.live], over, now, live_window_s
+        )
+        survey = survey_root(root, layout_dir, now, live_window_s)
+    return RootFit(survey, evicted, survey.share(budget))
+
+
+def warn_if_larger_than_the_filesystem(path: str, budget: int) -> None:
+    """A budget the filesystem cannot hold ends in failed writes once it fills (a write needs
+    room for its new file before it deletes the files it evicts): say so at start."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return
+    if budget > fs.f_blocks * fs.f_frsize:
+        logger.warning(
+            "kv-offload: fs_bytes_to_use (%d bytes) exceeds the size of the filesystem of %s "
+            "(%d bytes); writes will fail once it is full", budget, path,
+            fs.f_blocks * fs.f_frsize,
+        )

@@ -1,0 +1,57 @@
+"""Settings of the S3-compatible object-store tier: the `storage_options` of `"s3"`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_offload.backends.options import option
+from kv_offload.errors import ConfigError
+
+ADDRESSING_STYLES = ("auto", "path", "virtual")
+
+
+@dataclass(frozen=True)
+class S3TierConfig:
+    """Bucket, endpoint, client-side budget and the bounds on every wait.
+
+    Credentials come from boto3's standard chain (environment, shared config files, instance
+    or container roles); none is an option here, so none lands in a config file.
+    """
+
+    bucket: str = option("str", doc="the bucket (it must exist)")
+    bytes_to_use: int = option("size", doc="budget of this tier's objects, LRU-evicted by "
+                                           "the client (several writers share it loosely)")
+    layout_fingerprint: str = ""  # given by the connector, not an option
+    endpoint_url: str | None = option("optional_str", None, "e.g. http://minio:9000; None: "
+                                                            "AWS")
+    prefix: str = option("str", "kv-offload/", "key prefix of every object")
+    region_name: str | None = option("optional_str", None, "region (None: boto3's default)")
+    addressing_style: str | None = option("optional_str", None, "'path', 'virtual' or 'auto' "
+                                                                "(None: path with "
+                                                                "endpoint_url, else auto)")
+    connections: int = option("count", 8, "HTTP connections, one I/O thread each")
+    timeout_s: float = option("seconds", 5.0, "bound on each socket read")
+    connect_timeout_s: float = option("seconds", 2.0, "bound on each connect")
+    max_attempts: int = option("count", 1, "attempts per request, retries included")
+    refresh_interval_s: float = option("seconds", 30.0, "seconds between listings of the "
+                                                        "objects (0: only at start)")
+    conditional_put: bool = option("bool", True, "write with If-None-Match: * (an object "
+                                                 "already there is not sent again)")
+    retry_interval_s: float = option("seconds", 1.0, "while the endpoint is unreachable, "
+                                                     "how often one call tries again")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
+            raise ConfigError(f"layout_fingerprint must be a non-empty str, got "
+                              f"{self.layout_fingerprint!r}")
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(
+                ("http://", "https://")):
+            raise ConfigError(f"storage_options.endpoint_url must start with http:// or "
+                              f"https://, got {self.endpoint_url!r}")
+        if self.addressing_style not in (None, *ADDRESSING_STYLES):
+            raise ConfigError(f"storage_options.addressing_style must be one of "
+                              f"{list(ADDRESSING_STYLES)}, got {self.addressing_style!r}")
+        for name in ("timeout_s", "connect_timeout_s", "retry_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"storage_options.{name} must be > 0 (a bound on waiting), "
+                                  f"got {getattr(self, name)!r}")

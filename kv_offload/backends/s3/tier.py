@@ -1,0 +1,348 @@
+"""S3Tier: KV blocks as objects in an S3-compatible store (AWS S3, MinIO, Ceph RGW...).
+
+- One object per block, ``<prefix><layout namespace>/<key hex>``, holding a record
+  (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
+  data): an object from another layout or damaged is a miss and is deleted; never wrong bytes.
+  One object per block, not per chunk of blocks: a block is the unit the engine asks for,
+  and blocks of one prompt are hit and evicted independently. (``kv-offload bench --backend
+  s3`` measures the per-object cost at 1, 4 and 16 MiB; objects grouping several blocks were
+  not built or measured.)
+- Writes use ``If-None-Match: *`` where the store supports it: the same key always names the
+  same bytes, so an object already there is never sent twice (a store that refuses the
+  header gets plain puts from then on).
+- An object store does not evict: ``bytes_to_use`` is enforced by this client with the disk
+  tier's index (``KeyIndex``: LRU by last access, a key being read is never evicted, victims
+  deleted only once the write that needed their room landed, every change recorded in its
+  change feed for ``take_changes``). The index starts from a listing of the prefix and is
+  re-listed every ``refresh_interval_s``, adopting other writers' objects (ordered by their
+  last-modified time) and dropping vanished ones. Several writers therefore share the budget
+  loosely: each evicts by its own view, and the bucket can exceed ``bytes_to_use`` by what
+  others wrote since the last listing.
+- ``lookup`` answers from that index (never the network). Jobs run one request per key on
+  ``connections`` threads; every request is bounded by the timeouts, an unreachable endpoint
+  makes later jobs fail fast for ``retry_interval_s`` (``Outage``), one log line per episode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import boto3
+import torch
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kv_offload.backends.base import (
+    StorageTier,
+    TierChanges,
+    TierJobResult,
+    TierStats,
+    check_tier_keys,
+    check_tier_request,
+)
+from kv_offload.backends.filesystem.index import KeyIndex, Reservation
+from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.filesystem.listing import ScanListing
+from kv_offload.backends.jobs import Job, JobBook
+from kv_offload.backends.options import parse_options
+from kv_offload.backends.outage import Outage
+from kv_offload.backends.record import (
+    NETWORK_ALIGN,
+    data_offset,
+    layout_namespace,
+    pack,
+    unpack_into,
+)
+from kv_offload.backends.s3.config import S3TierConfig
+
+logger = logging.getLogger(__name__)
+
+# Replies that mean the endpoint is in trouble, not that one request was wrong.
+SERVER_TROUBLE = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+                  "503", "500"}
+ABSENT = {"NoSuchKey", "404"}
+MAX_DELETE = 1000  # objects per DeleteObjects request (the S3 limit)
+
+
+class S3Tier(StorageTier):
+    """A ``StorageTier`` on an S3-compatible bucket (see the module docstring)."""
+
+    def __init__(self, config: S3TierConfig) -> None:
+        self.config = config
+        self._root = f"{config.prefix}{layout_namespace(config.layout_fingerprint)}/"
+        style = config.addressing_style or ("path" if config.endpoint_url else "auto")
+        self._s3 = boto3.session.Session().client(
+            "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
+            config=BotoConfig(
+                connect_timeout=config.connect_timeout_s, read_timeout=config.timeout_s,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                max_pool_connections=config.connections + 2, s3={"addressing_style": style},
+                # Our records carry their own xxh3 checksum: no second one per request.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required"))
+        self._index = KeyIndex(config.bytes_to_use)  # records every change in its feed
+        self._book = JobBook("S3Tier", logger)
+        where = config.endpoint_url or "AWS S3"
+        self._where = f"s3://{config.bucket}/{self._root} at {where}"
+        self._outage = Outage(f"object store {where}", config.retry_interval_s, logger)
+        self._conditional = config.conditional_put
+        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io")
+        self._stop = threading.Event()
+        self.refresh()  # the objects already there, before the first lookup
+        self._refresher: threading.Thread | None = None
+        if config.refresh_interval_s > 0:
+            self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
+                                               name="kv-s3-refresh")
+            self._refresher.start()
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        parse_options(S3TierConfig, options, tier="s3", layout_fingerprint="check")
+
+    @classmethod
+    def from_options(cls, options, layout_fingerprint: str) -> S3Tier:
+        return cls(parse_options(S3TierConfig, options, tier="s3",
+                                 layout_fingerprint=layout_fingerprint))
+
+    # -- the StorageTier interface -------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        check_tier_keys(keys)
+        return self._index.contains(list(keys))
+
+    def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        check_tier_request(keys, buffers)
+        job = self._book.new_job(keys)
+        fingerprint = self.config.layout_fingerprint
+        for i, (key, buf) in enumerate(zip(keys, buffers)):
+            if self._index.touch(key):  # same key, same bytes: already stored
+                self._book.count("write_skipped_present")
+                self._book.finish(job, [i], True)
+                continue
+            size = data_offset(key, fingerprint, buf.numel(), align=NETWORK_ALIGN) + buf.numel()
+            reservation = self._index.reserve(size)  # victims go once this write landed
+            if reservation is None:
+                self._book.count("write_failed", "write_failed_budget")
+                self._book.finish(job, [i], False)
+                continue
+            self._book.start(self._io, self._write_one, job, i, key, buf, size, reservation)
+        return job.job_id
+
+    def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        check_tier_request(keys, buffers)
+        job = self._book.new_job(keys)
+        for i, (key, buf) in enumerate(zip(keys, buffers)):
+            if self._index.begin_read(key) is None:
+                self._book.count("read_failed", "read_failed_absent")
+                self._book.finish(job, [i], False)
+                continue
+            self._book.start(self._io, self._read_one, job, i, key, buf)
+        return job.job_id
+
+    def poll(self) -> list[TierJobResult]:
+        return self._book.poll()
+
+    def close(self) -> None:
+        if not self._book.close():
+            return
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join()
+        self._io.shutdown(wait=True)
+
+    # -- optional hooks --------------------------------------------------------------------
+
+    def take_changes(self, max_keys: int) -> TierChanges:
+        return self._index.feed.take(max_keys)
+
+    def keys(self) -> list[bytes]:
+        return self._index.keys()
+
+    def clear(self) -> None:
+        """Delete every object of this layout under the prefix (every writer's), and forget
+        them. An unreachable endpoint keeps them: logged, counted."""
+        held = self._index.keys()  # (a snapshot: removing while iterating the index)
+        for key in held:
+            self._index.remove(key)
+        try:
+            for page in self._s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.config.bucket, Prefix=self._root):
+                self._delete_names([obj["Key"] for obj in page.get("Contents", [])])
+        except (BotoCoreError, ClientError, OSError) as e:
+            self._book.count("clear_failed")
+            self._book.note("clear", "could not delete the objects of %s: %s", self._where, e)
+
+    def stats(self) -> TierStats:
+        counts = self._book.counts()
+        counts["outages"], counts["failed_fast"] = self._outage.episodes, self._outage.skipped
+        return TierStats(keys=len(self._index), bytes_used=self._index.used_bytes,
+                         bytes_budget=self.config.bytes_to_use, counts=counts)
+
+    def refresh(self) -> None:
+        """List the prefix now: adopt others' objects, drop vanished ones, evict to budget."""
+        if not self._outage.should_try():
+            return
+        generation = self._index.start_scan()  # (keys written meanwhile are not dropped)
+        listing = ScanListing()
+        try:
+            for page in self._s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.config.bucket, Prefix=self._root):
+                if self._stop.is_set():
+                    return  # closing: an unfinished listing must not drop anything
+                for obj in page.get("Contents", []):
+                    key = self._key_of(obj["Key"])
+                    if key is not None:
+                        listing.add(key, obj["Size"], obj["LastModified"].timestamp())
+            self._outage.succeeded()
+        except (BotoCoreError, ClientError, OSError) as e:
+            self._trouble("refresh", e)
+            return
+        merged = self._index.merge_scan(listing, generation)
+        self._delete(self._index.evict_to_budget())
+        self._book.count("refreshes")
+        self._book.count("keys_adopted", n=merged.added)
+        self._book.count("keys_vanished", n=merged.dropped)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _name(self, key: bytes) -> str:
+        return self._root + key.hex()
+
+    def _key_of(self, name: str) -> bytes | None:
+        try:
+            return bytes.fromhex(name[len(self._root):]) or None
+        except ValueError:
+            return None  # not one of ours
+
+    def _write_one(self, job: Job, i: int, key: bytes, buf: torch.Tensor, size: int,
+                   reservation: Reservation) -> None:
+        ok = False
+        try:
+            if not self._outage.should_try():
+                self._book.count("write_failed", "write_failed_unreachable")
+                return
+            sent = self._put(key, pack(key, self.config.layout_fingerprint, host_view(buf),
+                                       align=NETWORK_ALIGN))
+            victims = self._index.commit(reservation, key, size)
+            ok = True
+            self._outage.succeeded()
+            self._delete(victims)  # only now: a failed write costs nothing but itself
+            if sent:
+                self._book.count("write_ok")
+                self._book.count("bytes_written", n=size)
+            else:
+                self._book.count("write_skipped_present")
+        except (BotoCoreError, ClientError, OSError) as e:
+            self._trouble("write", e)
+        except Exception:
+            self._book.count("write_failed", "write_failed_bug")
+            logger.exception("kv-offload: unexpected error writing to %s", self._where)
+        finally:
+            if not ok:
+                self._index.release(reservation)  # its victims stay
+            self._book.finish(job, [i], ok)
+
+    def _put(self, key: bytes, body: bytes) -> bool:
+        """Store one object: True; False if it was already there (412 to If-None-Match)."""
+        args = {"Bucket": self.config.bucket, "Key": self._name(key), "Body": body}
+        if self._conditional:
+            try:
+                self._s3.put_object(**args, IfNoneMatch="*")
+                return True
+            except ClientError as e:
+                code = _code(e)
+                if code in ("PreconditionFailed", "412"):
+                    return False
+                if code not in ("NotImplemented", "501"):
+                    raise
+                self._conditional = False  # this store does not do conditional puts
+                self._book.note("no-conditional", "%s refuses If-None-Match: * (%s); writing "
+                                "with plain puts", self._where, code)
+        self._s3.put_object(**args)
+        return True
+
+    def _read_one(self, job: Job, i: int, key: bytes, buf: torch.Tensor) -> None:
+        ok = False
+        try:
+            if not self._outage.should_try():
+                self._book.count("read_failed", "read_failed_unreachable")
+                return
+            reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._name(key))
+            body = reply["Body"].read()
+            self._outage.succeeded()
+            got = unpack_into(body, key, self.config.layout_fingerprint, host_view(buf),
+                              align=NETWORK_ALIGN)
+            if got.bad is not None:
+                self._discard(key, got.bad)
+            elif not got.ok:
+                self._book.count("read_failed", "read_failed_buffer_size")
+                self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has "
+                                "%d; not served", key.hex(), got.held_bytes, buf.numel())
+            else:
+                ok = True
+                self._book.count("read_ok")
+                self._book.count("bytes_read", n=len(body))
+        except ClientError as e:
+            if _code(e) in ABSENT:  # deleted by another writer (or its budget)
+                self._forget([key])
+                self._book.count("read_failed", "read_failed_vanished")
+            else:
+                self._trouble("read", e)
+        except (BotoCoreError, OSError) as e:
+            self._trouble("read", e)
+        except Exception:
+            self._book.count("read_failed", "read_failed_bug")
+            logger.exception("kv-offload: unexpected error reading from %s", self._where)
+        finally:
+            self._index.end_read(key)
+            self._book.finish(job, [i], ok)
+
+    def _discard(self, key: bytes, reason: str) -> None:
+        """An object that is not ours to serve: delete it, forget the key."""
+        self._forget([key])
+        self._book.count("read_failed", "bad_objects_removed")
+        self._book.note("bad-object", "removed bad object %s: %s", self._name(key), reason)
+        self._delete([key])
+
+    def _forget(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._index.remove(key)
+
+    def _delete(self, keys: list[bytes]) -> None:
+        """Delete objects (already out of the index); failures only leave garbage behind
+        (over budget until the next listing evicts it again)."""
+        try:
+            self._delete_names([self._name(k) for k in keys])
+            self._book.count("evictions", n=len(keys))
+        except (BotoCoreError, ClientError, OSError) as e:
+            self._trouble("delete", e)
+
+    def _delete_names(self, names: list[str]) -> None:
+        for start in range(0, len(names), MAX_DELETE):
+            chunk = names[start:start + MAX_DELETE]
+            self._s3.delete_objects(Bucket=self.config.bucket, Delete={
+                "Objects": [{"Key": name} for name in chunk], "Quiet": True})
+
+    def _trouble(self, what: str, error: Exception) -> None:
+        """Count a failed request; the endpoint's own trouble opens an outage episode."""
+        code = _code(error) if isinstance(error, ClientError) else None
+        if code is None or code in SERVER_TROUBLE:
+            self._outage.failed(error)
+            self._book.count(f"{what}_failed", f"{what}_failed_unreachable")
+        else:
+            self._book.count(f"{what}_failed", f"{what}_failed_{code}")
+            self._book.note(f"{what}-{code}", "%s of %s refused: %s", what, self._where, error)
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.config.refresh_interval_s):
+            try:
+                self.refresh()
+            except Exception:  # a bug here must not end the refreshes silently
+                logger.exception("kv-offload: listing %s failed", self._where)
+
+
+def _code(error: ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))

@@ -1,0 +1,348 @@
+"""ValkeyTier: one KV store shared by many servers, on Valkey, Redis OSS or a managed service.
+
+- One key per block, ``<key_prefix><layout namespace>:<key hex>``; its value is a record
+  (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
+  then the data), so a value from another model, layout or library version, or damaged, is a
+  miss and is deleted; never wrong bytes.
+- ``lookup`` answers from an in-memory ``ServerKeys`` (never the network): our own writes and
+  reads, and a background ``SCAN`` every ``refresh_interval_s`` (see view.py).
+- Jobs run on ``connections`` I/O threads, split into batches of at most ``batch_bytes`` (and
+  spread over the connections). Each batch is two pipelined round trips for writes (``EXISTS``
+  for every key, then ``SET NX`` for the missing ones: the same key always names the same
+  bytes) and one for reads (``GET``).
+- The server evicts on its own (``maxmemory`` + an LRU/LFU policy): a key found gone is a miss
+  and leaves the view. Server down, paused or restarted: every socket wait is bounded by
+  ``timeout_s``, the failed keys are misses, and for ``retry_interval_s`` later jobs fail at
+  once without waiting (``Outage``); redis-py reconnects on the next call that goes through.
+  One log line per episode.
+
+Values go out as header + host buffer straight to the socket (packer.py: no joined copy).
+Replies are parsed by hiredis when it is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kv_offload.backends.base import (
+    StorageTier,
+    TierChanges,
+    TierJobResult,
+    TierStats,
+    check_tier_keys,
+    check_tier_request,
+)
+from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.jobs import Job, JobBook
+from kv_offload.backends.options import parse_options
+from kv_offload.backends.outage import Outage
+from kv_offload.backends.record import (
+    NETWORK_ALIGN,
+    build_header,
+    checksum,
+    layout_namespace,
+    pack,
+    unpack_into,
+)
+from kv_offload.backends.valkey.config import ValkeyTierConfig
+from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
+from kv_offload.backends.valkey.view import ServerKeys
+
+logger = logging.getLogger(__name__)
+
+# Read pipelines stay small: hiredis buffers a pipeline's whole reply, growing its buffer by
+# reallocation, which cost 2x the client CPU per GB with four 4 MiB values per pipeline
+# against one (measured on loopback). Small values still share a round trip.
+READ_BATCH_BYTES = 1 << 20
+# Errors that say the server is unreachable or stalled (not that one command was refused).
+SERVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+class ValkeyTier(StorageTier):
+    """A ``StorageTier`` on a Valkey/Redis server (see the module docstring)."""
+
+    def __init__(self, config: ValkeyTierConfig) -> None:
+        self.config = config
+        self._namespace = f"{config.key_prefix}{layout_namespace(config.layout_fingerprint)}:"
+        self._prefix = self._namespace.encode()
+        self._packer = split_value_packer()
+        pool = redis.BlockingConnectionPool.from_url(
+            config.url,
+            max_connections=config.connections + 2,  # + the refresh thread, + clear()
+            timeout=config.timeout_s,  # waiting for a free connection is bounded too
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # fail fast: a retry would double every wait
+            health_check_interval=0,
+            command_packer=self._packer,
+        )
+        self._redis = redis.Redis(connection_pool=pool)
+        self._book = JobBook("ValkeyTier", logger)
+        self._outage = Outage(f"Valkey server {config.display_url}", config.retry_interval_s,
+                              logger)
+        self._view = ServerKeys()
+        self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
+        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io")
+        self._stop = threading.Event()
+        self.refresh()  # the keys already there, before the first lookup (bounded by timeouts)
+        self._refresher: threading.Thread | None = None
+        if config.refresh_interval_s > 0:
+            self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
+                                               name="kv-valkey-refresh")
+            self._refresher.start()
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        parse_options(ValkeyTierConfig, options, tier="valkey", layout_fingerprint="check")
+
+    @classmethod
+    def from_options(cls, options, layout_fingerprint: str) -> ValkeyTier:
+        return cls(parse_options(ValkeyTierConfig, options, tier="valkey",
+                                 layout_fingerprint=layout_fingerprint))
+
+    # -- the StorageTier interface -------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        check_tier_keys(keys)
+        return self._view.contains(keys)
+
+    def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        check_tier_request(keys, buffers)
+        return self._submit(keys, buffers, self._write_batch)
+
+    def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        check_tier_request(keys, buffers)
+        return self._submit(keys, buffers, self._read_batch, max_batch=READ_BATCH_BYTES)
+
+    def poll(self) -> list[TierJobResult]:
+        return self._book.poll()
+
+    def close(self) -> None:
+        if not self._book.close():
+            return
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join()
+        self._io.shutdown(wait=True)
+        self._redis.connection_pool.disconnect()
+
+    # -- optional hooks --------------------------------------------------------------------
+
+    def take_changes(self, max_keys: int) -> TierChanges:
+        return self._view.take_changes(max_keys)
+
+    def keys(self) -> list[bytes]:
+        return self._view.keys()
+
+    def clear(self) -> None:
+        """Delete every key of this layout on the server (for every process sharing it), and
+        forget them. A server that cannot be reached keeps them: logged, counted."""
+        self._view.clear()
+        try:
+            batch = []
+            for name in self._redis.scan_iter(match=self._match(), count=self.config.scan_count):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    self._redis.unlink(*batch)
+                    batch.clear()
+            if batch:
+                self._redis.unlink(*batch)
+        except SERVER_ERRORS as e:
+            self._book.count("clear_failed")
+            self._book.note("clear", "could not delete the keys of %s on %s: %s",
+                            self._namespace, self.config.display_url, e)
+
+    def stats(self) -> TierStats:
+        """Keys in the view; the server's used memory and maxmemory (whole server, as of the
+        last refresh: the server, not this tier, decides what it evicts)."""
+        used, budget = self._server_memory
+        counts = self._book.counts()
+        counts["outages"], counts["failed_fast"] = self._outage.episodes, self._outage.skipped
+        return TierStats(keys=len(self._view), bytes_used=used, bytes_budget=budget,
+                         counts=counts)
+
+    def refresh(self) -> None:
+        """SCAN the server now: adopt keys others wrote, drop keys it no longer holds."""
+        if not self._outage.should_try():
+            return
+        generation = self._view.begin_scan()
+        found = []
+        try:
+            for name in self._redis.scan_iter(match=self._match(), count=self.config.scan_count):
+                if self._stop.is_set():
+                    return  # closing: an unfinished scan must not drop anything
+                key = self._key_of(name)
+                if key is not None:
+                    found.append(key)
+            memory = self._redis.info("memory")
+            self._outage.succeeded()
+        except SERVER_ERRORS as e:
+            self._outage.failed(e)
+            self._book.count("refresh_failed")
+            return
+        self._server_memory = (int(memory.get("used_memory", 0)),
+                               int(memory.get("maxmemory", 0)))
+        added, dropped = self._view.merge_scan(found, generation)
+        self._book.count("refreshes")
+        self._book.count("keys_adopted", n=added)
+        self._book.count("keys_vanished", n=dropped)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _name(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _key_of(self, name: bytes) -> bytes | None:
+        try:
+            return bytes.fromhex(name[len(self._prefix):].decode("ascii")) or None
+        except ValueError:
+            return None  # not one of ours (a user's key under the same prefix)
+
+    def _match(self) -> bytes:
+        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self._namespace)
+        return (escaped + "*").encode()
+
+    def _submit(self, keys, buffers, run_batch, max_batch: int | None = None) -> int:
+        job = self._book.new_job(keys)
+        items = list(enumerate(zip(keys, buffers)))
+        # Spread the job over the connections, each batch at most batch_bytes of values
+        # (and max_batch); a key larger than that is a batch of its own.
+        total = sum(buf.numel() for buf in buffers)
+        cap = min(self.config.batch_bytes, -(-total // self.config.connections),
+                  max_batch or total)
+        batch, size = [], 0
+        for item in items:
+            batch.append(item)
+            size += item[1][1].numel()
+            if size >= cap:
+                self._book.start(self._io, run_batch, job, batch)
+                batch, size = [], 0
+        if batch:
+            self._book.start(self._io, run_batch, job, batch)
+        return job.job_id
+
+    def _write_batch(self, job: Job, batch: list) -> None:
+        done: list[int] = []
+        try:
+            if not self._outage.should_try():
+                self._book.count("write_failed", "write_failed_unreachable", n=len(batch))
+                return
+            names = [self._name(key) for _, (key, _) in batch]
+            pipe = self._redis.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            present = pipe.execute()
+            todo = [(item, name) for item, name, held in zip(batch, names, present) if not held]
+            done += [i for (i, _), held in zip(batch, present) if held]
+            self._book.count("write_skipped_present", n=len(done))
+            pipe = self._redis.pipeline(transaction=False)
+            for (_, (key, buf)), name in todo:
+                pipe.set(name, self._encode(key, buf), nx=True)
+            for ((i, (_, buf)), _), result in zip(todo, pipe.execute(raise_on_error=False)):
+                if isinstance(result, Exception):  # e.g. OOM under maxmemory noeviction
+                    self._book.count("write_failed", "write_failed_refused")
+                    self._book.note("write-refused", "%s refused a write: %s",
+                                    self.config.display_url, result)
+                else:  # True: set; None: another writer set it first (same bytes)
+                    done.append(i)
+                    self._book.count("write_ok")
+                    self._book.count("bytes_written", n=buf.numel())
+            self._outage.succeeded()
+        except SERVER_ERRORS as e:
+            self._outage.failed(e)
+            self._book.count("write_failed", "write_failed_unreachable", n=len(batch) - len(done))
+        except Exception:
+            self._book.count("write_failed", "write_failed_bug", n=len(batch) - len(done))
+            logger.exception("kv-offload: unexpected error writing to %s", self.config.display_url)
+        finally:
+            ok = set(done)
+            self._view.add(key for i, (key, _) in batch if i in ok)
+            self._book.finish(job, done, True)
+            self._book.finish(job, [i for i, _ in batch if i not in ok], False)
+
+    def _read_batch(self, job: Job, batch: list) -> None:
+        done: list[int] = []
+        try:
+            if not self._outage.should_try():
+                self._book.count("read_failed", "read_failed_unreachable", n=len(batch))
+                return
+            pipe = self._redis.pipeline(transaction=False)
+            for _, (key, _) in batch:
+                pipe.get(self._name(key))
+            values = pipe.execute(raise_on_error=False)
+            self._outage.succeeded()
+            for (i, (key, buf)), value in zip(batch, values):
+                if self._fill(key, value, buf):
+                    done.append(i)
+        except SERVER_ERRORS as e:
+            self._outage.failed(e)
+            self._book.count("read_failed", "read_failed_unreachable", n=len(batch) - len(done))
+        except Exception:
+            self._book.count("read_failed", "read_failed_bug", n=len(batch) - len(done))
+            logger.exception("kv-offload: unexpected error reading from %s",
+                             self.config.display_url)
+        finally:
+            ok = set(done)
+            self._view.add(key for i, (key, _) in batch if i in ok)
+            self._book.finish(job, done, True)
+            self._book.finish(job, [i for i, _ in batch if i not in ok], False)
+
+    def _encode(self, key: bytes, buf: torch.Tensor) -> SplitValue | bytes:
+        """The value of ``key``: its record, sent from the host buffer without a copy."""
+        data, fingerprint = host_view(buf), self.config.layout_fingerprint
+        if self._packer is None:  # pragma: no cover - see packer.py
+            return pack(key, fingerprint, data, align=NETWORK_ALIGN)
+        header = build_header(key, fingerprint, len(data), checksum(data), align=NETWORK_ALIGN)
+        return SplitValue(header, data)
+
+    def _fill(self, key: bytes, value, buf: torch.Tensor) -> bool:
+        """Check one GET reply and copy its data into ``buf``; False (and why, counted) if
+        it cannot be served."""
+        if value is None:  # evicted by the server, or deleted by another process
+            self._view.discard([key])
+            self._book.count("read_failed", "read_failed_absent")
+            return False
+        if isinstance(value, Exception):
+            self._book.count("read_failed", "read_failed_refused")
+            self._book.note("read-refused", "%s refused a read: %s", self.config.display_url,
+                            value)
+            return False
+        got = unpack_into(value, key, self.config.layout_fingerprint, host_view(buf),
+                          align=NETWORK_ALIGN)
+        if got.bad is not None:
+            return self._discard(key, got.bad)
+        if not got.ok:  # an intact value of another size: the caller's buffer is wrong
+            self._book.count("read_failed", "read_failed_buffer_size")
+            self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has %d; "
+                            "not served", key.hex(), got.held_bytes, buf.numel())
+            return False
+        self._book.count("read_ok")
+        self._book.count("bytes_read", n=buf.numel())
+        return True
+
+    def _discard(self, key: bytes, reason: str) -> bool:
+        """A value that is not ours to serve: delete it (a later write replaces it), forget
+        the key, report a miss."""
+        self._view.discard([key])
+        self._book.count("read_failed", "bad_values_removed")
+        self._book.note("bad-value", "removed bad value of key %s from %s: %s", key.hex(),
+                        self.config.display_url, reason)
+        with contextlib.suppress(*SERVER_ERRORS):  # if not, the next read finds it bad again
+            self._redis.unlink(self._name(key))
+        return False
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.config.refresh_interval_s):
+            try:
+                self.refresh()
+            except Exception:  # a bug here must not end the refreshes silently
+                logger.exception("kv-offload: refresh of %s failed", self.config.display_url)

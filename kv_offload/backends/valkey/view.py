@@ -1,0 +1,90 @@
+"""ServerKeys: the keys a shared Valkey server is believed to hold, kept in memory.
+
+``lookup`` is on the scheduler's path every step and must never touch the network, so the tier
+answers from this view. It is a hint, filled by our own writes and reads and corrected by a
+bounded background SCAN: a key the server evicted stays in the view until a read misses on it
+or the next scan, and a key another process wrote appears with the next scan. A read that
+misses is a miss (the engine recomputes), never wrong bytes.
+
+Scans are merged with a generation stamp, as the filesystem tier's index does: SCAN returns
+every key present for its whole duration, but a key added while it runs may be missing from
+it, so only keys already in the view when the scan began are dropped when the scan did not
+see them. Every change also goes to the view's ``ChangeFeed`` (the filesystem tier's), under
+the view's lock, so the feed and the view never disagree.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from kv_offload.backends.base import TierChanges
+from kv_offload.backends.filesystem.changes import ChangeFeed
+
+
+class ServerKeys:
+    """A thread-safe set of keys with scan generations and a change feed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stamps: dict[bytes, int] = {}  # key -> generation it was last confirmed in
+        self._generation = 0
+        self._feed = ChangeFeed()
+
+    def __len__(self) -> int:
+        return len(self._stamps)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._stamps for key in keys]
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._stamps)
+
+    def add(self, keys: Iterable[bytes]) -> None:
+        """Keys the server was just seen to hold (our write landed, a read found it)."""
+        with self._lock:
+            for key in keys:
+                if key not in self._stamps:
+                    self._stamps[key] = self._generation
+                    self._feed.added(key)
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        """Keys the server was just seen not to hold (evicted, deleted, bad value dropped)."""
+        with self._lock:
+            for key in keys:
+                if self._stamps.pop(key, None) is not None:
+                    self._feed.removed(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in self._stamps:
+                self._feed.removed(key)
+            self._stamps.clear()
+
+    def begin_scan(self) -> int:
+        """Open a scan generation; pass it to ``merge_scan`` with every key that scan saw."""
+        with self._lock:
+            self._generation += 1
+            return self._generation
+
+    def merge_scan(self, found: Iterable[bytes], generation: int) -> tuple[int, int]:
+        """Adopt keys the scan saw; drop keys it did not see that predate it.
+        Returns (keys added, keys dropped)."""
+        seen = set(found)
+        with self._lock:
+            new = [k for k in seen if k not in self._stamps]
+            gone = [k for k, stamp in self._stamps.items()
+                    if stamp < generation and k not in seen]
+            for key in seen:
+                self._stamps[key] = generation
+            for key in gone:
+                del self._stamps[key]
+                self._feed.removed(key)
+            for key in new:
+                self._feed.added(key)
+        return len(new), len(gone)
+
+    def take_changes(self, max_keys: int) -> TierChanges:
+        return self._feed.take(max_keys)

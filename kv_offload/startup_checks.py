@@ -1,0 +1,88 @@
+"""Start-up checks of a connector configuration against the model and the machine.
+
+Everything that can be known before the model loads is checked here, on the scheduler side
+too, so a bad value is a `ConfigError` that names the key and the fix at start-up, never an
+OOM kill, a silently disabled tier or an error on the first request:
+- the eviction policy imports and builds;
+- the host tiers of the ranks on this machine fit in the memory available now, and each
+  holds at least one block;
+- `fs_root_dir` is (or can be made) a directory this process can write files in;
+- `fs_bytes_to_use` holds at least one block file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+
+from kv_offload.config import OffloadConfig
+from kv_offload.errors import ConfigError
+from kv_offload.policies import make_policy
+from kv_offload.specs import KVCacheGroup
+
+FILE_HEADER_ALLOWANCE = 8192  # a block file's header, rounded up to O_DIRECT alignment
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory available to new allocations now (Linux `MemAvailable`), or None
+    where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def block_bytes(groups: Sequence[KVCacheGroup]) -> int:
+    """Bytes one block of the largest cache group takes in a host slot or a file (every
+    layer of the group, padding included: an upper bound of what is stored)."""
+    return max((len(g.layer_names) * g.spec.page_size_bytes for g in groups), default=0)
+
+
+def check_startup(config: OffloadConfig, groups: Sequence[KVCacheGroup], *,
+                  local_ranks: int = 1, available: int | None = None) -> None:
+    """Raise `ConfigError` for a configuration this machine and model cannot run.
+    `local_ranks`: worker ranks on this machine (each allocates `cpu_bytes_to_use`)."""
+    make_policy(config.eviction_policy, 1)  # EvictionPolicyError (a ConfigError) names it
+    block = block_bytes(groups)
+    if block and config.cpu_bytes_to_use < block:
+        raise ConfigError(
+            f"cpu_bytes_to_use={config.cpu_bytes_to_use} holds no block: one block of this "
+            f"model takes {block} bytes per rank; set cpu_bytes_to_use to at least {block} "
+            f"(for real use, thousands of blocks)")
+    available = available_host_memory() if available is None else available
+    wanted = config.cpu_bytes_to_use * local_ranks
+    if available is not None and wanted > available:
+        raise ConfigError(
+            f"cpu_bytes_to_use={config.cpu_bytes_to_use} x {local_ranks} rank(s) = {wanted} "
+            f"bytes of host memory, but only {available} are available on this machine; "
+            f"lower cpu_bytes_to_use (it is per worker rank)")
+    if config.fs_root_dir is not None:
+        _check_writable_dir(config.fs_root_dir)
+        smallest = block + FILE_HEADER_ALLOWANCE
+        if config.fs_bytes_to_use is not None and config.fs_bytes_to_use < smallest:
+            raise ConfigError(
+                f"fs_bytes_to_use={config.fs_bytes_to_use} cannot hold one block file "
+                f"({smallest} bytes with its header): the disk tier would store nothing; "
+                f"raise fs_bytes_to_use or remove fs_root_dir")
+
+
+def _check_writable_dir(root: str) -> None:
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"fs_root_dir={root!r} exists and is not a directory; expected a "
+                          f"directory (or a path where one can be created)")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".kv-offload-probe."):
+            pass
+    except OSError as e:
+        raise ConfigError(f"fs_root_dir={root!r} is not a writable directory: "
+                          f"{e.strerror or e}; expected a directory this process can create "
+                          f"files in") from e

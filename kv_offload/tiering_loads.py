@@ -1,0 +1,147 @@
+"""How `TieredStore` serves a load: host keys copied at once, storage keys staged.
+
+A load's keys already in host slots are pinned and copied into the engine at once. Its
+storage-only keys wait in `Load.waiting` and are read into host slots in batches of at most
+`staging_slots` keys (as host room allows: a batch that finds no room is retried at every
+poll until `read_timeout_s`), each batch copied into the engine and unpinned as it lands,
+so a load of any size passes through a small host tier. A read that passes its deadline is
+given up (its slots stay reserved until the tier answers; the load goes on without it).
+
+A load's result is delivered only when nothing of it is in flight, even when it failed
+whole (`closed`): vLLM frees a failed request's blocks, so no copy of ours may still be
+writing them. Handlers decrement `pending` first, so a fault in the rest of a handler
+cannot leave the load waiting forever.
+
+This is a mixin of `TieredStore` (it uses the store's manager, host tier, storage tier, view,
+fault log and job plumbing); it is its own module only to keep each file one concern.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kv_offload.key_view import storage_key
+from kv_offload.tiering_jobs import Load, Read, TieredResult, blocks_of, transfers
+from kv_offload.types import Direction, OffloadKey
+
+
+class LoadPipeline:
+    """The load half of `TieredStore`."""
+
+    def _copy_to_engine(self, load: Load, keys: list[OffloadKey]) -> None:
+        """Pin ready host keys and copy them into the load's engine blocks."""
+        if not keys or load.closed:
+            return
+        slots = self.manager.prepare_load(keys)
+        try:
+            self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets),
+                             load.ready)
+        except Exception:
+            self.manager.complete_load(keys)
+            raise
+        load.pending += 1
+
+    def _stage(self, load: Load) -> None:
+        """Start reading the load's waiting storage keys, a batch at a time, as host room
+        allows; a load that cannot get room before its deadline fails those keys."""
+        while load.waiting and not load.closed:
+            room = self.staging_slots - sum(len(r.keys) for r in load.reads)
+            if room <= 0:  # the batches in flight free their slots as they reach the engine
+                break
+            batch = load.waiting[:room]
+            plan = self.manager.prepare_store(batch)
+            while plan is None and len(batch) > 1:  # take what room there is
+                batch = batch[:len(batch) // 2]
+                plan = self.manager.prepare_store(batch)
+            if plan is None:  # no room now: retried at every poll until the deadline
+                self._staged[load.job_id] = load
+                if time.monotonic() - load.started > self.read_timeout_s:
+                    self.faults.failed("staging", "no host room for a load before its deadline")
+                    load.failed += load.waiting
+                    load.waiting = []
+                break
+            del load.waiting[:len(batch)]
+            ready = [k for k in plan.already_present if self.manager.is_ready(k)]
+            load.failed += [k for k in plan.already_present if not self.manager.is_ready(k)]
+            self._copy_to_engine(load, ready)
+            if plan.keys:
+                self._submit_read(load, plan.keys, plan.slots)
+        if not load.waiting or load.closed:
+            self._staged.pop(load.job_id, None)
+
+    def _submit_read(self, load: Load, keys, slots) -> None:
+        read = Read(load, tuple(keys), self._generation, time.monotonic())
+        try:
+            buffers = [self.cpu.slot_buffer(slot, key[1]) for key, slot in zip(keys, slots)]
+            job = self.storage.submit_read([storage_key(k, self._generation) for k in keys],
+                                           buffers)
+        except Exception as exc:
+            self.faults.failed("storage read", exc)
+            self.manager.complete_store(list(keys), False)
+            load.failed += keys
+            return
+        load.reads.append(read)
+        load.pending += 1
+        self._storage_jobs[job] = read
+
+    def _read_done(self, read: Read, succeeded: Sequence[bool]) -> None:
+        load = read.load
+        if not read.given_up:  # first: a fault below must not leave the load pending
+            load.reads.remove(read)
+            load.pending -= 1
+        ok = [k for k, good in zip(read.keys, succeeded) if good]
+        bad = [k for k, good in zip(read.keys, succeeded) if not good]
+        self.manager.complete_store(bad, False)
+        self.manager.complete_store(ok, True)
+        self._key_failures["read"] += len(bad)
+        if read.generation == self._generation:
+            self.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
+        if read.given_up:  # the load went on without it: its bytes just stay in host slots
+            return
+        loaded = [k for k in ok if self.manager.is_ready(k)]  # a reset may have dropped some
+        load.failed += bad + [k for k in ok if not self.manager.is_ready(k)]
+        load.from_storage += len(loaded)
+        self._copy_to_engine(load, loaded)
+        self._stage(load)
+        self._finish_load_if_done(load)
+
+    def _load_copied(self, load: Load, keys: list[OffloadKey], success: bool) -> None:
+        load.pending -= 1  # first: a fault below must not leave the load pending
+        if not success:
+            load.failed += keys
+        self.manager.complete_load(keys)
+        self._stage(load)
+        self._finish_load_if_done(load)
+
+    def _advance_staged(self) -> None:
+        now = time.monotonic()
+        for load in list(self._staged.values()):
+            self._stage(load)
+            self._finish_load_if_done(load)
+        for record in list(self._storage_jobs.values()):
+            if isinstance(record, Read) and not record.given_up and \
+                    now - record.started > self.read_timeout_s:
+                self.faults.failed("storage read", "a read passed its deadline")
+                record.given_up = True  # its slots stay reserved until the tier answers
+                load = record.load
+                load.reads.remove(record)
+                load.pending -= 1
+                load.failed += record.keys
+                self._stage(load)
+                self._finish_load_if_done(load)
+
+    def _fail_load(self, load: Load) -> None:
+        load.closed = True
+        load.failed = list(load.targets)
+        self._staged.pop(load.job_id, None)
+
+    def _finish_load_if_done(self, load: Load) -> None:
+        """Deliver the load's result once nothing of it is in flight: even a load that
+        failed whole waits for its copies, so vLLM never reuses blocks we still write."""
+        if load.pending or (load.waiting and not load.closed):
+            return
+        failed = blocks_of({k: load.targets[k] for k in dict.fromkeys(load.failed)})
+        self._finish(TieredResult(load.job_id, Direction.LOAD, not failed and not load.closed,
+                                  failed, load.from_storage))
+

@@ -1,0 +1,49 @@
+"""The nouns every layer shares, defined once.
+
+- `OffloadKey`: `(block hash, KV-cache group)`, the name of one block's bytes in every tier.
+- `GroupBlocks`: `{group: (block hashes, engine block ids)}`, pair i is hash i <-> block i:
+  what one store or load moves.
+- `Location`: where a key can be loaded from (host memory, the storage tier, nowhere).
+- `KeyChange` / `KeyChanges`: a key whose location changed, and a bounded batch of them
+  (what a worker reports so the scheduler can offer hits).
+- `Direction`: which way a job moves bytes (store: engine -> tiers; load: tiers -> engine).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kv_offload.transfer import Direction
+
+OffloadKey = tuple[bytes | int, int]
+GroupBlocks = Mapping[int, tuple[Sequence[bytes | int], Sequence[int]]]
+
+
+class Location(enum.Enum):
+    """Where a key can be loaded from."""
+
+    HOST = "host"  # ready in a host slot
+    STORAGE = "storage"  # only in the storage tier: a load reads it into a host slot first
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """`key` can now be loaded from `location` (ABSENT: no longer loadable)."""
+
+    key: OffloadKey
+    location: Location
+
+
+@dataclass(frozen=True)
+class KeyChanges:
+    """A bounded batch of changes. `reset`: forget every location reported before this
+    batch (the tiers were reset); the changes then describe the new state."""
+
+    changes: tuple[KeyChange, ...] = ()
+    reset: bool = False
+
+
+__all__ = ["Direction", "GroupBlocks", "KeyChange", "KeyChanges", "Location", "OffloadKey"]

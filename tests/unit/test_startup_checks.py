@@ -1,0 +1,78 @@
+"""Start-up checks: what can be known before the model loads is a ConfigError naming the
+key and the fix, never an OOM kill, a silently disabled tier or a first-request error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_offload.config import parse_config
+from kv_offload.errors import ConfigError, EvictionPolicyError
+from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+from kv_offload.startup_checks import FILE_HEADER_ALLOWANCE, block_bytes, check_startup
+
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+GROUPS = [KVCacheGroup([f"layers.{i}" for i in range(4)], SPEC)]
+BLOCK = 4 * SPEC.page_size_bytes
+PLENTY = 1 << 40
+
+
+def config(**extra):
+    return parse_config({"cpu_bytes_to_use": "64MiB", **extra})
+
+
+def test_a_sane_config_passes(tmp_path):
+    check_startup(config(fs_root_dir=str(tmp_path / "kv"), fs_bytes_to_use="1GiB"), GROUPS,
+                  available=PLENTY)
+    assert (tmp_path / "kv").is_dir()  # created up front, as the tier will need it
+
+
+def test_an_eviction_policy_that_does_not_import_is_refused():
+    with pytest.raises(EvictionPolicyError, match="no_such_module"):
+        check_startup(config(eviction_policy="no_such_module:Policy"), GROUPS,
+                      available=PLENTY)
+
+
+def test_host_tiers_larger_than_the_memory_available_are_refused():
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=.* x 2 rank\(s\).*available"):
+        check_startup(config(), GROUPS, local_ranks=2, available=100 << 20)
+    check_startup(config(), GROUPS, local_ranks=1, available=100 << 20)
+
+
+def test_a_host_tier_smaller_than_one_block_is_refused():
+    with pytest.raises(ConfigError, match=f"holds no block.*{BLOCK}"):
+        check_startup(parse_config({"cpu_bytes_to_use": BLOCK - 1}), GROUPS, available=PLENTY)
+    assert block_bytes(GROUPS) == BLOCK
+
+
+def test_a_disk_budget_smaller_than_one_block_file_is_refused(tmp_path):
+    too_small = BLOCK + FILE_HEADER_ALLOWANCE - 1
+    with pytest.raises(ConfigError, match="fs_bytes_to_use=.*cannot hold one block file"):
+        check_startup(config(fs_root_dir=str(tmp_path), fs_bytes_to_use=too_small), GROUPS,
+                      available=PLENTY)
+
+
+def test_a_root_dir_that_is_a_file_or_cannot_be_created_is_refused(tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_startup(config(fs_root_dir=str(afile), fs_bytes_to_use="1GiB"), GROUPS,
+                      available=PLENTY)
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        check_startup(config(fs_root_dir=str(afile / "below"), fs_bytes_to_use="1GiB"),
+                      GROUPS, available=PLENTY)
+
+
+def test_the_host_pool_is_exactly_whole_slots_within_the_budget():
+    from kv_offload.backends.cpu.pool import allocate_pool
+    from kv_offload.canonical import canonicalize
+    from kv_offload.example_models import build_example
+    from kv_offload.kernels.geometry import HostSlotLayout
+
+    model = build_example("llama-8b", num_blocks=2)
+    canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)
+    layout = HostSlotLayout.from_canonical(canonical)
+    budget = 20 * layout.slot_bytes + layout.slot_bytes // 2
+    pool = allocate_pool(layout, budget, pin=False)
+    assert pool.shape == (20, layout.slot_bytes)
+    assert pool.numel() <= budget
