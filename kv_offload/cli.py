@@ -1,4 +1,5 @@
-"""The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` backends."""
+"""The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` backends,
+`serve-check` a running vLLM server."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="canonicalise the example models, show pages")
     add_inspect_arguments(inspect)
     inspect.set_defaults(run=run_inspect)
+
+    from kv_offload.serving.command import add_serve_check_arguments, run_serve_check
+
+    serve_check = commands.add_parser(
+        "serve-check", help="verify a running vLLM server: hits from kv-offload, same outputs")
+    add_serve_check_arguments(serve_check)
+    serve_check.set_defaults(run=run_serve_check)
 
     try:
         from kv_offload.bench import add_bench_arguments, run_bench

@@ -61,3 +61,17 @@ class TransferError(KVOffloadError, ValueError):
 
 class CudaCallError(KVOffloadError, RuntimeError):
     """A CUDA runtime call made by the copier failed (the job fails; the engine recomputes)."""
+
+
+class ServingError(KVOffloadError, RuntimeError):
+    """A vLLM server that did not answer as its OpenAI-compatible API and vLLM's own
+    endpoints (/health, /tokenize, /metrics, /reset_prefix_cache) document."""
+
+
+class ServerStartError(ServingError):
+    """A vLLM server subprocess that exited, or never became healthy, while starting."""
+
+
+class ServeCheckInputError(KVOffloadError, ValueError):
+    """Arguments of `kv-offload serve-check` that cannot work against this server, or a
+    `--replay` record that is not one `--record` wrote."""
