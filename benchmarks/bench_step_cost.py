@@ -9,20 +9,25 @@
    Scheduler side = lookups (+ after_alloc, source_of) + build_meta + apply_worker_meta +
    loads_finished + request_finished; worker side = wait_for_engine_copies + start_loads +
    start_stores + finished_loads + report + take_stats. Pickling our metadata across
-   vLLM's process boundary is timed apart ("ipc"). Goal: p99 < 1 ms on each side.
+   vLLM's process boundary is timed apart ("ipc"). Goal: p99 < 1 ms on each side. Each
+   call is timed twice: wall clock (what the engine thread waited, including waits for
+   the worker lock while the pump holds it, garbage collection, and, on a shared machine,
+   other processes) and the engine thread's CPU time (the work itself).
 2. Store planning over a 128k-token prefill in 2048-token chunks, then 256 decode tokens
    (`step_cost_prefill.py`): full attention, and sliding window + full attention.
-   Goal: < 5 ms in total.
+   Goal: < 5 ms in total for the prefill.
 
     python benchmarks/bench_step_cost.py --json step-cost.json
-    # before/after: the same measurements on another tree (e.g. commit 2505ae9), one after
-    # the other in child processes, and a table with the ratios:
-    git worktree add /work/wt-before 2505ae9
-    python benchmarks/bench_step_cost.py --before /work/wt-before --json step-cost.json
+    # before/after: the same measurements on other trees (e.g. commit 2505ae9), one after
+    # the other in child processes, and a table with the ratios to the first:
+    git worktree add /tmp/before 2505ae9
+    python benchmarks/bench_step_cost.py --before /tmp/before --json step-cost.json
+    # the inventory's report batch against the cost of a step while it streams:
+    python benchmarks/bench_step_cost.py --skip-prefill --report-cap 1024 --warmup-steps 0
 
 The tree under test is whatever `kv_offload` imports (`PYTHONPATH`); `step_cost_compat.py`
-adapts to the older API. Timings include everything those calls do on the engine's thread,
-waits for the worker lock (its pump thread runs meanwhile) and garbage collection.
+adapts to the older API. The start-up heap is frozen as vLLM's engine does
+(`--no-gc-freeze`: not), and collections during the steps are counted.
 """
 
 from __future__ import annotations
@@ -289,7 +294,7 @@ def measure(args) -> dict:
                        "kv_offload"], capture_output=True, text=True).stdout.strip():
         commit += "+changes"  # the tree's kv_offload differs from its commit
     result = {"label": f"{commit or tree} ({API})", "tree": str(tree), "commit": commit,
-              "api": API}
+              "api": API, "load_average_start": os.getloadavg()}
     if not args.skip_prefill:
         result["prefill"] = run_prefills(args)
         print_prefills(result)
@@ -297,6 +302,9 @@ def measure(args) -> dict:
         result["steps"] = run_steps(args)
         print_steps(result)
         print_calls(result)
+    result["load_average_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {result['load_average_start']}, "
+          f"at end {result['load_average_end']}")
     return result
 
 

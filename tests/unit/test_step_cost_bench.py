@@ -1,0 +1,59 @@
+"""benchmarks/bench_step_cost.py at a small scale: its synthetic storage tier keeps the
+change-feed contract, and a short run drives real stores, loads and store plans."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_step_cost  # noqa: E402
+from step_cost_tier import SyntheticTier  # noqa: E402
+
+
+def drain(tier: SyntheticTier, batch: int) -> tuple[list[bytes], list[bytes]]:
+    added, removed = [], []
+    while changes := tier.take_changes(batch):
+        assert len(changes) <= batch
+        added += changes.added
+        removed += changes.removed
+    return added, removed
+
+
+def test_the_synthetic_tier_streams_its_inventory_once_then_reports_writes_and_evictions():
+    inventory = [os.urandom(42) for _ in range(10)]
+    tier = SyntheticTier(inventory, page_bytes=64)
+    added, removed = drain(tier, 3)
+    assert sorted(added) == sorted(inventory) and removed == []
+    new = [os.urandom(42) for _ in range(2)]
+    tier.submit_write(new, [None, None])  # full: the two oldest keys make room
+    assert tier.lookup(new + inventory[:2]) == [True, True, False, False]
+    added, removed = drain(tier, 8)
+    assert sorted(added) == sorted(new) and sorted(removed) == sorted(inventory[:2])
+    assert [r.job_id for r in tier.poll()] == [1]
+
+
+def test_a_short_run_streams_the_inventory_stores_loads_and_plans_every_prefill_block():
+    args = argparse.Namespace(
+        seed=0, model="full", keys=3000, engine_blocks=8000, host_mib=16, requests=12,
+        batched_tokens=1024, forward_ms=1.0, warmup_steps=30, steady_steps=10,
+        gc_freeze=False, report_cap=None, prefill_tokens=4096, chunk_tokens=512,
+        decode_tokens=32, prefill_repeats=1)
+    steps = bench_step_cost.run_steps(args)
+    first, steady = steps["first_steps"], steps["steady_state"]
+    assert first["report_keys"]["sum"] >= args.keys  # the whole inventory was reported
+    assert steady["steps"] == args.steady_steps
+    assert steps["tier"]["read"] > 0 and steps["tier"]["written"] > 0  # loads and stores ran
+    assert steady["scheduler"]["max"] > 0 and steady["worker"]["max"] > 0
+    full, hybrid = bench_step_cost.run_prefills(args)
+    # 4096 / 16 prompt blocks + 2 decode blocks; the window of 1024 tokens needs every block
+    # (hits end on every block), so the hybrid plans both groups' blocks.
+    assert full["blocks_planned"] == 4096 // 16 + 32 // 16
+    assert hybrid["blocks_planned"] == 2 * full["blocks_planned"]
+    assert full["steps"] == 4096 // 512 + 32
