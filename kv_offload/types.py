@@ -31,10 +31,13 @@ class Location(enum.Enum):
 
 @dataclass(frozen=True)
 class KeyChange:
-    """`key` can now be loaded from `location` (ABSENT: no longer loadable)."""
+    """`key` can now be loaded from `location` (ABSENT: no longer loadable).
+    `in_storage`: the storage tier holds it too (with `location` HOST: a host key written
+    through; KV events announce both media)."""
 
     key: OffloadKey
     location: Location
+    in_storage: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kv_offload.backends import storage_choice
 from kv_offload.config import OffloadConfig, parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.faults import FaultLog
 from kv_offload.specs import MambaSpec
 from kv_offload.startup_checks import check_startup
 from kv_offload.vllm import stats as offload_stats
+from kv_offload.vllm.kv_events import make_kv_events
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler_side import OffloadScheduler
 from kv_offload.vllm.spec_translation import translate_groups
@@ -70,8 +72,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_stats = offload_stats.KVOffloadStats()
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_hashes_are_per_process(vllm_config)
-            self._scheduler = OffloadScheduler([g.spec for g in groups], hash_block_size,
-                                               world_size)
+            choice = storage_choice(self.config)
+            self._scheduler = OffloadScheduler(
+                [g.spec for g in groups], hash_block_size, world_size,
+                events=make_kv_events(vllm_config, kv_cache_config, hash_block_size,
+                                      choice.name if choice else None))
             self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)
@@ -214,6 +219,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, None]:
         return self._finished(request)
+
+    def take_events(self) -> list[Any]:
+        # KV events of our tiers (vLLM publishes them after its own; kv_events.py)
+        if self._scheduler is None:
+            return []
+        return self._contained("take_events", self._scheduler.events.take, [])
 
     def reset_cache(self) -> bool:
         return self._contained("reset_cache", lambda: self._scheduler.reset() or True, False)

@@ -27,6 +27,7 @@ from typing import Any
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import Location, OffloadKey
+from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import RankKeys
 
@@ -61,8 +62,10 @@ class LookupResult:
 class OffloadScheduler:
     """Scheduler-side state of the connector (one per engine)."""
 
-    def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int) -> None:
+    def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int,
+                 events: KVEvents | None = None) -> None:
         self.specs = specs
+        self.events = events or KVEvents()  # KV events for routers (off: does nothing)
         self.hash_block_size = hash_block_size
         self.world_size = world_size
         self.align = lcm(*(spec.block_size for spec in specs))
@@ -219,10 +222,12 @@ class OffloadScheduler:
             if not all(keep):
                 step_hashes = list(compress(step_hashes, keep))
                 step_ids = list(compress(step_ids, keep))
+                new = list(compress(new, keep))
             if step_ids:
                 hashes_out, ids_out = stores.setdefault(g, ([], []))
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
+                self.events.record_stores(request, g, new)
         state.next_store_tokens = min(frontier.next_hit_point * spec.block_size
                                       for frontier, spec in zip(state.frontiers, self.specs))
 
@@ -234,7 +239,7 @@ class OffloadScheduler:
             return
         for rank, report in meta.reports.items():
             self._reflected_by_rank[rank] = report.reflected_step
-            self._keys.apply(rank, report.changes, report.reset)
+        self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
         self._forget_reported()
 
     def source_of(self, request_id: str) -> str:
