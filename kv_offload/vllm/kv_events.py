@@ -15,7 +15,8 @@ what the connector's `take_events()` returns, through the publisher of `--kv-eve
 (ZMQ). A router joins them by block hash: ours are vLLM's own block hashes (a key's hash is
 the hash vLLM gives the group's block, `hashes[(i + 1) * per_block - 1]`, also when a group's
 blocks span several hash blocks), converted as vLLM converts its own
-(`maybe_convert_block_hash`: bytes, or 64-bit ints under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+(`maybe_convert_block_hash`: 64-bit ints by default, the raw bytes with
+VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
 
 When. A block is stored in a medium once every worker rank holds it there (tensor
 parallelism: each rank holds its shard; a block some rank lacks cannot be loaded), and
