@@ -155,13 +155,17 @@ def test_a_stored_prompt_is_announced_in_host_memory_with_vllms_own_hashes_and_t
                                                                          None)
 
 
-def test_a_written_through_prompt_is_announced_in_the_storage_medium(events_run):
+def test_a_written_through_prompt_is_announced_in_the_storage_medium_while_in_host_memory(
+        events_run):
     blocks = first_prompt_blocks(events_run)
     hashes = gpu_hashes(events_run, blocks)
-    stored = {e.block_hashes[0]: e for _, e in ours(events_run, Stored, "STORAGE")}
+    stored = {e.block_hashes[0]: (seq, e) for seq, e in ours(events_run, Stored, "STORAGE")}
+    host_removed_at = {h: seq for seq, e in ours(events_run, Removed, "CPU")
+                       for h in e.block_hashes}
     for i, block_hash in enumerate(hashes):
-        event = stored[block_hash]
+        seq, event = stored[block_hash]
         assert (event.token_ids, event.ownership) == (blocks[i], "filesystem")
+        assert seq < host_removed_at[block_hash]  # the write-through, not the eviction
 
 
 @pytest.mark.parametrize("medium", ["CPU", "STORAGE"])
