@@ -99,7 +99,8 @@ class KeyView:
         self._reset = True
 
     def take(self, max_keys: int) -> KeyChanges:
-        """Up to `max_keys` keys whose location differs from what was last reported."""
+        """Up to `max_keys` keys whose location, or a host key's storage copy
+        (`KeyChange.in_storage`), differs from what was last reported."""
         changes: list[KeyChange] = []
         reported = self._reported
         for group, dirty in self._dirty.items():
