@@ -29,7 +29,7 @@ removes every key that rank held: then, once, the work is proportional to those 
 
 Payload. `BlockStored` carries the block's tokens and its parent's hash (a router that keys
 blocks by their tokens needs them); only a live request has them. So the scheduler records
-them when it plans a store (`record_stores`: the hash of the block before, and the block's
+them when it plans a store (`record_blocks`: the hash of the block before, and the block's
 token ids packed as 32-bit ints into one bytes object, per group in a dict of bytes -> bytes
 that the garbage collector never walks) and keeps them while some medium holds the block, so
 an eviction from host memory to disk, or a read back from disk into host memory, is
@@ -38,8 +38,10 @@ tracemalloc); nothing while events are off. A payload whose store never lands is
 after `PENDING_STEPS` steps. A key learnt without a plan (a disk tier's inventory after a
 restart, keys another engine wrote to a shared tier) is announced with vLLM's placeholder
 payload: no parent, no tokens, `block_size` 0 (what vLLM's offloading connector sends for a
-key it has no payload for). `extra_keys` (multimodal, cache-salt keys) are not sent, as
-vLLM's offloading connector does not send them either; LoRA id and name are.
+key it has no payload for); once a request loads such a block, its payload is recorded too,
+so its later events (a read back into host memory) carry it. `extra_keys` (multimodal,
+cache-salt keys) are not sent, as vLLM's offloading connector does not send them either;
+LoRA id and name are.
 
 `BlockStored.ownership` names the storage tier ("filesystem", "valkey", "s3" or the
 "module:Class" of a custom tier) on "STORAGE" events: vLLM's field for "secondary offloading
@@ -102,8 +104,9 @@ class KVEvents:
         for rank, report in reports.items():
             keys.apply(rank, report.changes, report.reset)
 
-    def record_stores(self, request: Any, group: int, blocks: Sequence[int]) -> None:
-        """The scheduler plans to store `blocks` (indices in `group`) of `request`."""
+    def record_blocks(self, request: Any, group: int, blocks: Sequence[int]) -> None:
+        """The scheduler plans to store or load `blocks` (indices in `group`) of the live
+        `request`: the moment their payload can be recorded."""
 
     def take(self) -> list[KVCacheEvent]:
         """Events since the last call (vLLM's `take_events`)."""
@@ -133,11 +136,11 @@ class KVEventTracker(KVEvents):
 
     # --- hooks ---
 
-    def record_stores(self, request: Any, group: int, blocks: Sequence[int]) -> None:
+    def record_blocks(self, request: Any, group: int, blocks: Sequence[int]) -> None:
         try:
             self._record(request, group, blocks)
         except Exception as exc:  # a payload lost is a placeholder event, never a lost store
-            self.faults.failed("record_stores", exc)
+            self.faults.failed("record_blocks", exc)
 
     def apply_reports(self, keys: RankKeys, reports: Mapping[int, RankReport]) -> None:
         self._step += 1

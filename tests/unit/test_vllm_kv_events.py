@@ -25,6 +25,7 @@ from vllm_scheduler_helpers import (  # noqa: E402
     output,
     rank_meta,
     request_factory,
+    run_hit,
     vkv,
 )
 
@@ -244,6 +245,24 @@ def test_a_key_learnt_without_a_plan_gets_vllms_placeholder_payload():
     (event,) = tracker.take()
     assert (event.medium, event.block_hashes, event.parent_block_hash, event.token_ids,
             event.block_size) == ("STORAGE", published([(b"\x01" * 32, 0)]), None, [], 0)
+
+
+def test_a_placeholder_block_loaded_by_a_request_is_read_back_with_its_payload(make_request):
+    sched = full_attention()
+    tracker = with_events(sched)
+    apply(sched, 0, [])
+    request = make_request("r", 100)
+    on_disk = keys(request, [0, 1, 2])  # found on disk, stored by an earlier engine
+    apply(sched, 0, at(on_disk, ON_DISK))
+    assert [e.block_size for e in tracker.take()] == [0, 0, 0]
+    tokens, load_async = run_hit(sched, request, ([4, 5, 6, 7],))
+    assert (tokens, load_async) == (96, True)
+    apply(sched, 0, host(on_disk, in_storage=True))  # the load read them into host memory
+    events = tracker.take()
+    assert [e.medium for e in events] == ["CPU"] * 3
+    assert [e.token_ids for e in events] == [list(range(1 + 32 * i, 33 + 32 * i))
+                                             for i in range(3)]
+    assert [e.parent_block_hash for e in events] == [None, *published(on_disk[:2])]
 
 
 def test_payloads_of_stores_that_never_land_are_dropped(make_request):
