@@ -134,13 +134,15 @@ class OffloadScheduler:
         plan: GroupBlocks = {}
         for g, spec in enumerate(self.specs):
             first = local_tokens // spec.block_size  # the engine has the blocks before this
-            hashes, ids = [], []
+            hashes, ids, blocks = [], [], []
             for i in hit.blocks[g]:
                 if i >= first and block_ids[g][i] != NULL_BLOCK_ID:
                     hashes.append(self._hash_of(request, g, i))
                     ids.append(block_ids[g][i])
+                    blocks.append(i)
             if ids:
                 plan[g] = (hashes, ids)
+                self.events.record_blocks(request, g, blocks)
         self._loads[request.request_id] = plan
         self._requests[request.request_id].loading = True
 
@@ -227,7 +229,7 @@ class OffloadScheduler:
                 hashes_out, ids_out = stores.setdefault(g, ([], []))
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
-                self.events.record_stores(request, g, new)
+                self.events.record_blocks(request, g, new)
         state.next_store_tokens = min(frontier.next_hit_point * spec.block_size
                                       for frontier, spec in zip(state.frontiers, self.specs))
 
