@@ -143,7 +143,10 @@ class TieredStore(LoadPipeline, StorePipeline):
         try:
             store.targets = targets_of(requests)
             store.waiting = list(store.targets)
-            self._stage_store(store)
+            # Staged at the next `poll` (the pump's thread), not in the caller's: this call
+            # is on the engine's step path and costs O(blocks) of bookkeeping only.
+            if store.waiting:
+                self._staged_stores[store.job_id] = store
         except Exception as exc:  # e.g. a plug-in eviction policy: skip the rest
             self.faults.failed("store planning", exc)
             store.failed += store.waiting
@@ -167,7 +170,8 @@ class TieredStore(LoadPipeline, StorePipeline):
             load.failed = [k for k, w in zip(keys, where) if w is Location.ABSENT]
             self._copy_to_engine(load, on_host)
             self.manager.touch(on_host)
-            self._stage(load)
+            if load.waiting:  # storage reads start at the next `poll` (the pump's thread)
+                self._staged[load.job_id] = load
         except Exception as exc:
             self.faults.failed("load planning", exc)
             self._fail_load(load)

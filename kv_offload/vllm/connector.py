@@ -98,10 +98,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register(kv_caches, self._groups, self._num_blocks)  # start-up: may raise
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # Runs before every forward: last step's stores must be out of engine memory
-        # before vLLM can reuse their blocks.
-        self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
-                        self._worker.abandon_stores)
+        # Runs before every forward: stores still reading blocks vLLM may reuse in it must
+        # be out of engine memory first (the scheduler side says when; unknown: wait).
+        if getattr(kv_connector_metadata, "wait_for_stores", True):
+            self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
+                            self._worker.abandon_stores)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -236,7 +237,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self._contained(
             "request_finished", lambda: (self._scheduler.request_finished(request.request_id),
                                          None),
-            lambda: (self._scheduler.is_loading(request.request_id), None), (False, None))
+            lambda: (self._scheduler.fence_next_step() or
+                     self._scheduler.is_loading(request.request_id), None), (False, None))
 
     def _contained(self, where: str, call: Callable[[], Any], fallback: Any,
                    last_resort: Any = None) -> Any:

@@ -33,6 +33,9 @@ class KVOffloadMetadata(KVConnectorMetadata):
     """Drop everything held (vLLM's reset_prefix_cache(reset_connector=True))."""
     step: int = 0
     """Sequence number: workers echo how far their reports reflect these plans."""
+    wait_for_stores: bool = True
+    """Before this step's forward, wait until every store so far is copied out of engine
+    memory: vLLM may reuse a block one of them reads (the scheduler sets it only then)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ by vLLM soon after), and only the blocks some future hit can load (`StoreFrontie
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import compress
 from math import lcm
@@ -26,10 +25,12 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import Location, OffloadKey
+from kv_offload.types import Location
 from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import RankKeys
+from kv_offload.vllm.report_lag import ReportLag
+from kv_offload.vllm.store_fence import StoreFence
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
@@ -84,10 +85,10 @@ class OffloadScheduler:
         # Reports lag the plans by a step; while a request's prefix is being stored, or a
         # reset is under way, its lookup waits for the report (vLLM asks again next step).
         self._step = 0
-        self._reset_step: int | None = None
-        self._reflected_by_rank: dict[int, int] = {}
-        self._unreported: deque[tuple[int, list[OffloadKey]]] = deque()  # (step, keys)
-        self._unreported_keys: dict[OffloadKey, int] = {}  # key -> last step storing it
+        self._lag = ReportLag(world_size)
+        # Blocks stores may still read that vLLM freed: reallocating one makes the next
+        # forward wait for the stores in flight.
+        self._fence = StoreFence(specs)
 
     # --- hits ---
 
@@ -150,7 +151,15 @@ class OffloadScheduler:
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
-        self._track_block_ids(scheduler_output)
+        allocated = self._track_block_ids(scheduler_output)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted is None:  # (not told which: any store in flight may read a freed block)
+            self._fence.unknown_free()
+        for req_id in preempted or ():
+            self._fence.freed(req_id, self._lag.reflected)
+        for plan in self._loads.values():  # a load writes blocks allocated for it
+            allocated.extend(block_id for _, ids in plan.values() for block_id in ids)
+        wait_for_stores = self._fence.must_wait(allocated, self._lag.reflected)
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -162,30 +171,38 @@ class OffloadScheduler:
             self._plan_stores(state, done, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
                                  stores=stores, reset=self._reset,
-                                 step=self._step)
+                                 step=self._step, wait_for_stores=wait_for_stores)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
-        if stored:
-            self._unreported.append((self._step, stored))
-            self._unreported_keys.update(dict.fromkeys(stored, self._step))
+        self._lag.planned_stores(self._step, stored)
         self._loads, self._failed_loads, self._reset = {}, [], False
         self._step += 1
         return meta
 
-    def _track_block_ids(self, scheduler_output: Any) -> None:
+    def _track_block_ids(self, scheduler_output: Any) -> list[int]:
+        """Follow the block tables of scheduled requests; returns the block ids that vLLM
+        gave them in this step (a new or resumed request's whole table)."""
+        allocated: list[int] = []
         for new in scheduler_output.scheduled_new_reqs:
+            for ids in new.block_ids:
+                allocated.extend(ids)
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_ids is None:
+                continue
+            for ids in new_ids:
+                allocated.extend(ids)
             state = self._requests.get(req_id)
-            if state is None or new_ids is None:
+            if state is None:
                 continue
             if req_id in cached.resumed_req_ids:
                 state.block_ids = [list(ids) for ids in new_ids]
             else:
                 for group_ids, more in zip(state.block_ids, new_ids):
                     group_ids.extend(more)
+        return allocated
 
     def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
         """Add the blocks of this request that became worth storing (linear over the
@@ -226,6 +243,8 @@ class OffloadScheduler:
                 step_ids = list(compress(step_ids, keep))
                 new = list(compress(new, keep))
             if step_ids:
+                self._fence.stored(self._step, request.request_id, g, step_ids,
+                                   self._lag.reflected)
                 hashes_out, ids_out = stores.setdefault(g, ([], []))
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
@@ -240,9 +259,8 @@ class OffloadScheduler:
         if meta is None:
             return
         for rank, report in meta.reports.items():
-            self._reflected_by_rank[rank] = report.reflected_step
+            self._lag.reported(rank, report.reflected_step)
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
-        self._forget_reported()
 
     def source_of(self, request_id: str) -> str:
         """'host' when every block of the request's planned load is in every rank's host
@@ -267,16 +285,22 @@ class OffloadScheduler:
         they are freed when the load reports back)."""
         state = self._requests.get(request_id)
         self._pending_hits.pop(request_id, None)
+        self._fence.freed(request_id, self._lag.reflected)
         if state is not None and state.loading:
             state.finished = True
             return True
         self._requests.pop(request_id, None)
         return False
 
+    def fence_next_step(self) -> None:
+        """Some request's blocks were freed and we could not tell which (a recovery path):
+        the next forward waits for every store still copying out of engine memory."""
+        self._fence.unknown_free()
+
     def reset(self) -> None:
         """Drop the host tier on every rank with the next step; lookups wait until done."""
         self._reset = True
-        self._reset_step = self._step  # the step whose plans will carry it
+        self._lag.reset_step = self._step  # the step whose plans will carry it
 
     @property
     def num_keys(self) -> int:
@@ -325,10 +349,12 @@ class OffloadScheduler:
         yet reported by every rank. The request's hashes are scanned once per wait (the
         step it waits for is remembered), so a waiting request costs O(1) per step; the
         wait is bounded by `MAX_REPORT_WAIT_S`."""
-        reflected = self._reflected()
-        if self._reset_step is None and state.wait_until_step <= reflected:
-            state.wait_until_step = self._last_unreported_store(request)
-        waiting = self._reset_step is not None or state.wait_until_step > reflected
+        lag = self._lag
+        reflected = lag.reflected
+        if lag.reset_step is None and state.wait_until_step <= reflected:
+            state.wait_until_step = lag.last_unreported_store(request, self.specs,
+                                                              self.hash_block_size)
+        waiting = lag.reset_step is not None or state.wait_until_step > reflected
         if not waiting:
             state.waiting_since = None
             return False
@@ -336,33 +362,6 @@ class OffloadScheduler:
         if state.waiting_since is None:
             state.waiting_since = now
         return now - state.waiting_since < MAX_REPORT_WAIT_S
-
-    def _last_unreported_store(self, request: Any) -> int:
-        if not self._unreported_keys:
-            return -1
-        last = -1
-        hashes = request.block_hashes
-        for g, spec in enumerate(self.specs):
-            per_block = spec.block_size // self.hash_block_size
-            for index in range(per_block - 1, len(hashes), per_block):
-                last = max(last, self._unreported_keys.get((hashes[index], g), -1))
-        return last
-
-    def _reflected(self) -> int:
-        """The last step every rank's reports reflect."""
-        if len(self._reflected_by_rank) < self.world_size:
-            return -1
-        return min(self._reflected_by_rank.values())
-
-    def _forget_reported(self) -> None:
-        reflected = self._reflected()
-        if self._reset_step is not None and self._reset_step <= reflected:
-            self._reset_step = None
-        while self._unreported and self._unreported[0][0] <= reflected:
-            step, keys = self._unreported.popleft()
-            for key in keys:
-                if self._unreported_keys.get(key) == step:
-                    del self._unreported_keys[key]
 
     def _hash_of(self, request: Any, group: int, block: int) -> bytes:
         per_block = self.specs[group].block_size // self.hash_block_size
