@@ -93,7 +93,8 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._storage_jobs: dict[int, Read | WriteThrough] = {}
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
-        self._key_failures: Counter[str] = Counter()  # "read"/"write" -> storage keys failed
+        # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
+        self._key_failures: Counter[Direction] = Counter()
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
@@ -124,7 +125,16 @@ class TieredStore(LoadPipeline, StorePipeline):
             if self.storage is not None else TierStats()
         return TierUsage(used, cpu.num_slots * cpu.slot_bytes, storage)
 
-    def take_key_failures(self) -> dict[str, int]:
+    def take_fault_counts(self) -> dict[str, int]:
+        """Faults contained since the last call, by where they happened (for metrics)."""
+        return self.faults.take_counts()
+
+    def engine_ready(self) -> EngineReady:
+        """The point in the engine's work a copy must wait for, recorded on the calling
+        thread's current stream (GPU); pass it to `submit_store` / `submit_load`."""
+        return self.cpu.engine_ready()
+
+    def take_key_failures(self) -> dict[Direction, int]:
         """Storage keys whose read or write failed since the last call (for metrics)."""
         failures, self._key_failures = dict(self._key_failures), Counter()
         return failures

@@ -94,7 +94,7 @@ class LoadPipeline:
         bad = [k for k, good in zip(read.keys, succeeded) if not good]
         self.manager.complete_store(bad, False)
         self.manager.complete_store(ok, True)
-        self._key_failures["read"] += len(bad)
+        self._key_failures[Direction.LOAD] += len(bad)
         if read.generation == self._generation:
             self.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
         if read.given_up:  # the load went on without it: its bytes just stay in host slots

@@ -25,8 +25,8 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import Location
-from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
+from kv_offload.types import GroupBlocks, Location
+from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import RankKeys
 from kv_offload.vllm.report_lag import ReportLag
 from kv_offload.vllm.store_fence import StoreFence
@@ -255,13 +255,13 @@ class OffloadScheduler:
             self._lag.reported(rank, report.reflected_step)
             self._keys.apply(rank, report.changes, report.reset)
 
-    def source_of(self, request_id: str) -> str:
-        """'host' when every block of the request's planned load is in every rank's host
-        memory, else 'disk' (some of it is read from the storage tier first)."""
+    def source_of(self, request_id: str) -> Location:
+        """HOST when every block of the request's planned load is in every rank's host
+        memory, else STORAGE (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
         on_host = all(self._keys.held_by_all((block_hash, g), Location.HOST)
                       for g, (hashes, _) in plan.items() for block_hash in hashes)
-        return "host" if on_host else "disk"
+        return Location.HOST if on_host else Location.STORAGE
 
     def loads_finished(self, finished: set[str], failed: set[str]) -> None:
         for req_id in finished:
