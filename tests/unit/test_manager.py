@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_offload.errors import ConfigError, EvictionPolicyError, OffloadStateError
-from kv_offload.manager import SlotState, OffloadEvent, OffloadManager, StorePlan
+from kv_offload.manager import OffloadEvent, OffloadManager, SlotState, StorePlan
 from kv_offload.policies import EvictionPolicy, LRUPolicy
 
 ABSENT, STORING, READY = SlotState.ABSENT, SlotState.STORING, SlotState.READY

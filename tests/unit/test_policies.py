@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kv_offload.errors import EvictionPolicyError
-from kv_offload.manager import SlotState, OffloadManager
+from kv_offload.manager import OffloadManager, SlotState
 from kv_offload.policies import ARCPolicy, LRUPolicy, make_policy
 
 
