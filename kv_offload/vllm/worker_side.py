@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_offload.affinity import spread_threads
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
@@ -115,10 +116,11 @@ class OffloadWorker:
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
-        self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
-        self._pump = threading.Thread(target=self._run_pump, daemon=True,
-                                      name=f"kv-offload-pump-{self.rank}")
-        self._pump.start()
+        with spread_threads():  # our threads: off the cores vLLM pinned the forward to
+            self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
+            self._pump = threading.Thread(target=self._run_pump, daemon=True,
+                                          name=f"kv-offload-pump-{self.rank}")
+            self._pump.start()
 
     # --- per step, in vLLM's order ---
 
