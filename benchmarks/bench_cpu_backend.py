@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kv_offload.bench import add_bench_arguments, bench_cpu
+from kv_offload.tools.bench import add_bench_arguments, bench_cpu
 
 CASES = [
     ["--page-kib", "2"],

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from kv_offload import bench
 from kv_offload.backends.cpu import CpuBackend
-from kv_offload.cli import main
+from kv_offload.tools import bench
+from kv_offload.tools.cli import main
 
 FIELDS = {"store_gbps", "load_gbps", "baseline_gbps", "store_ratio", "load_ratio",
           "mismatches", "page_bytes", "blocks"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from kv_offload.backends.filesystem import bench
+from kv_offload.tools import bench_filesystem as bench
 
 
 def test_bench_reports_throughputs_ratios_and_zero_mismatches(tmp_path, capsys):
@@ -23,7 +23,7 @@ def test_bench_reports_throughputs_ratios_and_zero_mismatches(tmp_path, capsys):
 
 
 def test_cli_bench_filesystem(tmp_path):
-    from kv_offload.cli import main
+    from kv_offload.tools.cli import main
 
     out = tmp_path / "fs.json"
     status = main(["bench", "--backend", "filesystem", "--fs-root", str(tmp_path / "root"),

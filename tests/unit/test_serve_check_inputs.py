@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kv_offload.cli import main
 from kv_offload.errors import ServeCheckInputError
 from kv_offload.serving.client import Completion
 from kv_offload.serving.record import RECORD_FORMAT, RECORD_VERSION, load_record
 from kv_offload.serving.server import free_loopback_port
+from kv_offload.tools.cli import main
 
 OUTPUT = Completion(prompt_tokens=100, cached_tokens=96, tokens=("token_id:7",),
                     top_logprobs=({"token_id:7": -1.5},), seconds=0.2).to_json()

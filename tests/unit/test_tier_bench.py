@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kv_offload.backends.example import DictTier
-from kv_offload.backends.tier_bench import BenchTier, filesystem_factory, run_tier_bench
-from kv_offload.cli import main
+from kv_offload.tools.bench_tiers import BenchTier, filesystem_factory, run_tier_bench
+from kv_offload.tools.cli import main
 
 FIELDS = {"write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
           "write_ratio", "read_ratio", "mismatches", "failed_keys", "cells"}

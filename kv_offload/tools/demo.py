@@ -8,7 +8,7 @@ prompts three times:
   cpu      after `llm.reset_prefix_cache()`: vLLM's own cache is gone, ours is not;
   disk     a new engine process with the same disk directory: only the disk tier remains.
 
-Every engine runs in a child process (`python -m kv_offload.demo --child SPEC`) so vLLM's logs
+Every engine runs in a child process (`python -m kv_offload.tools.demo --child SPEC`) so vLLM's logs
 stay quiet and its process rules hold. Greedy decoding: each pass must give the cold tokens.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_offload.tiny_vocab import word_prompt
+from kv_offload.testing.tiny_vocab import word_prompt
 
 # Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -79,7 +79,7 @@ def model_dir(size: str, cache_dir: Path | None = None) -> Path:
     sizes = MODEL_SIZES[size]
     if marker.exists() and json.loads(marker.read_text()) == sizes:
         return path
-    from kv_offload.tiny_models import build_llama
+    from kv_offload.testing.tiny_models import build_llama
 
     print(f"building the {size} demo model in {path} ...", flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(root)))
@@ -204,7 +204,7 @@ def _print_table(results: list[PassResult], args: argparse.Namespace, prompt_tok
 
 
 def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
-    """Run one engine over `spec` in `python -m kv_offload.demo --child` and return its results."""
+    """Run one engine over `spec` in `python -m kv_offload.tools.demo --child`; its results."""
     _mkdir(work)
     spec_path, result_path, log_path = work / "spec.json", work / "result.json", work / "engine.log"
     spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
@@ -212,8 +212,9 @@ def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with log_path.open("w") as log:
         # cwd=work: a source checkout's top-level folders must not shadow installed packages.
-        proc = subprocess.run([sys.executable, "-m", "kv_offload.demo", "--child", str(spec_path)],
-                              cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kv_offload.tools.demo", "--child", str(spec_path)],
+            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not result_path.exists():
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}):\n{tail}")

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
-from kv_offload.engine_alloc import LAYOUTS, allocate_kv_caches
-from kv_offload.example_models import EXAMPLE_MODELS, build_example
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+from kv_offload.testing.engine_alloc import LAYOUTS, allocate_kv_caches
+from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
 
 POOL_FILL, ENGINE_FILL = 0x33, 0x5A  # what untouched bytes must still hold
 # Pause before each timed phase: after torch's parallel copy its OpenMP threads keep
@@ -266,14 +266,14 @@ def _cpu(args: argparse.Namespace) -> dict:
 
 def _filesystem(args: argparse.Namespace) -> dict:
     """The filesystem tier against raw O_DIRECT I/O of the same bytes (prints its table)."""
-    from kv_offload.backends.filesystem.bench import run_filesystem_bench
+    from kv_offload.tools.bench_filesystem import run_filesystem_bench
 
     return run_filesystem_bench(args.fs_root, (args.page_kib or 2048) * 1024, args.chunks)
 
 
 def _shared_store(args: argparse.Namespace) -> dict:
     """A shared-store tier against the filesystem tier, same cells (prints its table)."""
-    from kv_offload.backends.tier_bench import run_shared_store_bench
+    from kv_offload.tools.bench_tiers import run_shared_store_bench
 
     return run_shared_store_bench(args)
 

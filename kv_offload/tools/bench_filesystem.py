@@ -6,7 +6,7 @@ sequential O_DIRECT I/O: the raw baseline. The baseline is the better of two req
 (the chunk size, and 64 MiB), so the ratio is not flattered by a weak baseline. Rounds alternate
 baseline and tier; the medians are reported.
 
-    python -m kv_offload.backends.filesystem.bench --root /tmp/kvbench --json out.json
+    python -m kv_offload.tools.bench_filesystem --root /tmp/kvbench --json out.json
 
 ``kv-offload bench --backend filesystem`` calls ``run_filesystem_bench``. Use a directory on a
 real disk: tmpfs (/dev/shm) measures memory copies, not a disk.

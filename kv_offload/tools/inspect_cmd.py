@@ -7,8 +7,8 @@ import json
 import time
 
 from kv_offload.canonical import canonicalize
-from kv_offload.engine_alloc import LAYOUTS
-from kv_offload.example_models import EXAMPLE_MODELS, build_example
+from kv_offload.testing.engine_alloc import LAYOUTS
+from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:

@@ -291,7 +291,7 @@ def fill_until_evicting(url: str, value_bytes: int = 16 * MIB) -> None:
 
 def _server_alone(make) -> tuple[str, RawBaseline] | None:
     """redis-benchmark on the bench's own server, if the binary is there."""
-    from kv_offload.backends.valkey.server_bench import benchmark_binary, server_alone_gbps
+    from kv_offload.tools.bench_valkey_server import benchmark_binary, server_alone_gbps
 
     binary = benchmark_binary()
     if binary is None:

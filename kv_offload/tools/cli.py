@@ -11,19 +11,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-offload", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from kv_offload.demo import add_demo_arguments, run_demo
+    from kv_offload.tools.demo import add_demo_arguments, run_demo
 
     demo = commands.add_parser("demo", help="vLLM with the connector: cold, CPU-tier, disk passes")
     add_demo_arguments(demo)
     demo.set_defaults(run=run_demo)
 
-    from kv_offload.inspect_cmd import add_inspect_arguments, run_inspect
+    from kv_offload.tools.inspect_cmd import add_inspect_arguments, run_inspect
 
     inspect = commands.add_parser("inspect", help="canonicalise the example models, show pages")
     add_inspect_arguments(inspect)
     inspect.set_defaults(run=run_inspect)
 
-    from kv_offload.serving.command import add_serve_check_arguments, run_serve_check
+    from kv_offload.tools.serve_check import add_serve_check_arguments, run_serve_check
 
     serve_check = commands.add_parser(
         "serve-check", help="verify a running vLLM server: hits from kv-offload, same outputs")
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_check.set_defaults(run=run_serve_check)
 
     try:
-        from kv_offload.bench import add_bench_arguments, run_bench
+        from kv_offload.tools.bench import add_bench_arguments, run_bench
     except ImportError:  # the benchmark module is optional while it is being built
         add_bench_arguments = run_bench = None
     if add_bench_arguments is not None:
