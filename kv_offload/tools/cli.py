@@ -1,5 +1,11 @@
 """The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` backends,
-`serve-check` a running vLLM server."""
+`serve-check` a running vLLM server.
+
+Every subcommand prints its table(s) with `report.Table`, writes `--json PATH` as the same
+envelope (`report.envelope`: command, version, statistic, results; `--json -` writes it to
+stdout and the tables to stderr), shows progress of long runs on stderr, and exits 0 when
+everything checked out, 1 on any mismatch or failed key, 2 on arguments it cannot honour.
+"""
 
 from __future__ import annotations
 
@@ -30,14 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_check_arguments(serve_check)
     serve_check.set_defaults(run=run_serve_check)
 
-    try:
-        from kv_offload.tools.bench import add_bench_arguments, run_bench
-    except ImportError:  # the benchmark module is optional while it is being built
-        add_bench_arguments = run_bench = None
-    if add_bench_arguments is not None:
-        bench = commands.add_parser("bench", help="measure store/load throughput of a backend")
-        add_bench_arguments(bench)
-        bench.set_defaults(run=run_bench)
+    from kv_offload.tools.bench import add_bench_arguments, run_bench
+
+    bench = commands.add_parser("bench", help="measure store/load throughput of a backend")
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
     return parser
 
 

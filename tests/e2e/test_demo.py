@@ -35,7 +35,9 @@ def _run_demo(cache_dir: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "same output" in proc.stdout  # the table was printed
-    return json.loads(out.read_text())
+    document = json.loads(out.read_text())
+    assert document["command"] == "demo" and document["results"]["mismatches"] == 0
+    return document["results"]
 
 
 def _check_common(result: dict[str, Any]) -> None:

@@ -103,7 +103,7 @@ def serve_check(url: str, work: Path, name: str, *args: str) -> CliRun:
         [sys.executable, "-m", "kv_offload.tools.cli", "serve-check", url, "--json", str(out),
          "--timeout-s", "60", *args],
         cwd=work, capture_output=True, text=True, timeout=180)
-    report = json.loads(out.read_text()) if out.exists() else {}
+    report = json.loads(out.read_text())["results"] if out.exists() else {}
     return CliRun(proc.returncode, proc.stdout + proc.stderr, report)
 
 

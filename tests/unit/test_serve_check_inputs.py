@@ -71,7 +71,9 @@ def test_an_unreachable_server_is_a_failed_check(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_loopback_port()}"  # nothing listens there
     out = tmp_path / "report.json"
     assert main(["serve-check", url, "--timeout-s", "5", "--json", str(out)]) == 1
-    report = json.loads(out.read_text())
+    document = json.loads(out.read_text())
+    assert document["command"] == "serve-check"
+    report = document["results"]
     assert report["passed"] is False
     assert report["checks"] == [{"name": "server", "passed": False,
                                  "detail": f"GET {url}/health does not answer 200"}]
