@@ -60,8 +60,8 @@ from vllm.v1.request import Request
 
 import kv_offload
 from kv_offload.config import OffloadConfig
-from kv_offload.engine_alloc import allocate_kv_caches
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.vllm import worker_side
 from kv_offload.vllm.scheduler_side import OffloadScheduler
 
