@@ -154,7 +154,11 @@ class OffloadScheduler:
             self._fence.freed(req_id, self._lag.reflected)
         for plan in self._loads.values():  # a load writes blocks allocated for it
             allocated.extend(block_id for _, ids in plan.values() for block_id in ids)
-        wait_for_stores = self._fence.must_wait(allocated, self._lag.reflected)
+        # A step without a forward (e.g. the one telling the workers which requests ended)
+        # delays nothing by waiting: the stores in flight settle, so its report and stats
+        # show them even if the engine then goes idle.
+        wait_for_stores = self._fence.must_wait(allocated, self._lag.reflected) or \
+            not scheduler_output.total_num_scheduled_tokens
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
