@@ -28,11 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_offload.backends import storage_choice
-from kv_offload.config import OffloadConfig, parse_config
+from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.faults import FaultLog
 from kv_offload.specs import MambaSpec
 from kv_offload.startup_checks import check_startup
+from kv_offload.types import Location
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.kv_events import make_kv_events
 from kv_offload.vllm.metadata import KVOffloadMetadata
@@ -63,7 +64,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         groups = translate_groups(kv_cache_config)
         _refuse_mamba(groups)
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
-        _check_block_size(self.config, hash_block_size)
+        self.config.check_engine_block_size(hash_block_size)
         parallel = vllm_config.parallel_config
         world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         check_startup(self.config, groups, local_ranks=world_size)
@@ -192,7 +193,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         def sources() -> dict[CacheHitSource, int]:
             if num_external_tokens == 0:
                 return {}
-            on_host = self._scheduler.source_of(request.request_id) == "host"
+            on_host = self._scheduler.source_of(request.request_id) is Location.HOST
             self._lookup_stats.record_lookup(request.num_tokens, num_external_tokens,
                                              num_external_tokens if on_host else 0,
                                              0 if on_host else num_external_tokens)
@@ -277,14 +278,6 @@ def _require_recompute_on_failure(transfer_config: Any) -> None:
                        "failed or corrupt load is recomputed, never an error",
                        transfer_config.kv_load_failure_policy)
         transfer_config.kv_load_failure_policy = "recompute"
-
-
-def _check_block_size(config: OffloadConfig, engine_block_size: int) -> None:
-    if config.block_size is not None and config.block_size != engine_block_size:
-        raise ConfigError(
-            f"block_size={config.block_size}: the vLLM connector offloads whole engine "
-            f"blocks of {engine_block_size} tokens; leave block_size unset or set it to "
-            f"{engine_block_size}")
 
 
 def _worker_rank(parallel: Any) -> int:

@@ -13,10 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kv_offload.types import KeyChange
-
-# {group: (block hashes, engine block ids)}: pair i moves block_ids[i] <-> hash i.
-GroupBlocks = dict[int, tuple[list[bytes], list[int]]]
+from kv_offload.types import GroupBlocks, KeyChange
 
 
 @dataclass

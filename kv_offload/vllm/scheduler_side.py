@@ -25,9 +25,9 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import Location
+from kv_offload.types import GroupBlocks, Location
 from kv_offload.vllm.kv_events import KVEvents
-from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
+from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import RankKeys
 from kv_offload.vllm.report_lag import ReportLag
 from kv_offload.vllm.store_fence import StoreFence
@@ -159,7 +159,11 @@ class OffloadScheduler:
             self._fence.freed(req_id, self._lag.reflected)
         for plan in self._loads.values():  # a load writes blocks allocated for it
             allocated.extend(block_id for _, ids in plan.values() for block_id in ids)
-        wait_for_stores = self._fence.must_wait(allocated, self._lag.reflected)
+        # A step without a forward (e.g. the one telling the workers which requests ended)
+        # delays nothing by waiting: the stores in flight settle, so its report and stats
+        # show them even if the engine then goes idle.
+        wait_for_stores = self._fence.must_wait(allocated, self._lag.reflected) or \
+            not scheduler_output.total_num_scheduled_tokens
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -262,13 +266,13 @@ class OffloadScheduler:
             self._lag.reported(rank, report.reflected_step)
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
 
-    def source_of(self, request_id: str) -> str:
-        """'host' when every block of the request's planned load is in every rank's host
-        memory, else 'disk' (some of it is read from the storage tier first)."""
+    def source_of(self, request_id: str) -> Location:
+        """HOST when every block of the request's planned load is in every rank's host
+        memory, else STORAGE (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
         on_host = all(self._keys.held_by_all((block_hash, g), Location.HOST)
                       for g, (hashes, _) in plan.items() for block_hash in hashes)
-        return "host" if on_host else "disk"
+        return Location.HOST if on_host else Location.STORAGE
 
     def loads_finished(self, finished: set[str], failed: set[str]) -> None:
         for req_id in finished:

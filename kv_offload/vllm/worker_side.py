@@ -40,14 +40,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_offload.affinity import spread_threads
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
-from kv_offload.types import Direction, KeyChange
-from kv_offload.vllm.metadata import GroupBlocks, KVOffloadWorkerMetadata, RankReport
+from kv_offload.types import Direction, GroupBlocks, KeyChange
+from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport
 from kv_offload.vllm.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
@@ -115,10 +116,11 @@ class OffloadWorker:
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
-        self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
-        self._pump = threading.Thread(target=self._run_pump, daemon=True,
-                                      name=f"kv-offload-pump-{self.rank}")
-        self._pump.start()
+        with spread_threads():  # our threads: off the cores vLLM pinned the forward to
+            self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
+            self._pump = threading.Thread(target=self._run_pump, daemon=True,
+                                          name=f"kv-offload-pump-{self.rank}")
+            self._pump.start()
 
     # --- per step, in vLLM's order ---
 
@@ -165,7 +167,7 @@ class OffloadWorker:
             self._failed_now.update(failed)
             # GPU: one event on the engine's stream orders every copy of these loads after
             # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
-            ready = self.store.cpu.engine_ready() if loads else None
+            ready = self.store.engine_ready() if loads else None
             for request_id, blocks in loads.items():
                 try:
                     job_id = self.store.submit_load(blocks, ready)
@@ -193,7 +195,7 @@ class OffloadWorker:
             with self._lock:
                 # GPU: our copy stream waits on an event recorded on the engine's stream
                 # after the forward that wrote these blocks; the CPU does not wait.
-                job_id = self.store.submit_store(stores, self.store.cpu.engine_ready())
+                job_id = self.store.submit_store(stores, self.store.engine_ready())
                 self._jobs[job_id] = self._job(None, stores)
                 self._lock.notify_all()
         except Exception as exc:
@@ -241,12 +243,12 @@ class OffloadWorker:
     def take_stats(self) -> KVOffloadStats | None:
         with self._lock:
             usage = self.store.usage()
-            tier_faults = self.store.faults.take_counts()
+            tier_faults = self.store.take_fault_counts()
             key_failures = self.store.take_key_failures()
         faults = self.faults.take_counts()
         self._stats.record_faults(worker=sum(faults.values()) + sum(tier_faults.values()))
-        self._stats.record_storage_failures(key_failures.get("read", 0),
-                                            key_failures.get("write", 0))
+        self._stats.record_storage_failures(key_failures.get(Direction.LOAD, 0),
+                                            key_failures.get(Direction.STORE, 0))
         self._stats.set_usage(usage.host_bytes_used, usage.host_bytes_total,
                               usage.storage.bytes_used, usage.storage.bytes_budget,
                               rank=self.rank)

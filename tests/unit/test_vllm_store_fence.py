@@ -32,6 +32,8 @@ from vllm_scheduler_helpers import (  # noqa: E402
 
 from kv_offload.vllm.store_fence import StoreFence  # noqa: E402
 
+BUSY = {"running elsewhere": 1}  # a step with a forward (a request we do not track)
+
 
 @pytest.fixture
 def make_request():
@@ -73,7 +75,16 @@ def test_a_freed_block_allocated_elsewhere_or_not_at_all_does_not_wait(make_requ
     other = make_request("b", 2 * BLOCK, first_token=900)
     sched.num_new_matched_tokens(other, 0)
     assert not _prefill(sched, other, [7, 8]).wait_for_stores
-    assert not sched.build_meta(output()).wait_for_stores
+    assert not sched.build_meta(output(scheduled=BUSY)).wait_for_stores
+
+
+def test_a_step_without_a_forward_settles_the_stores_in_flight(make_request):
+    """(Its wait delays no forward, and the engine may go idle after it: its report and
+    stats then show every store.)"""
+    sched = full_attention()
+    _ready(sched)
+    assert sched.build_meta(output()).wait_for_stores
+    assert not sched.build_meta(output(scheduled=BUSY)).wait_for_stores
 
 
 def test_once_the_store_is_reported_copied_out_its_blocks_are_free_to_reuse(make_request):
@@ -127,7 +138,7 @@ def test_a_load_into_a_block_a_store_may_read_waits(make_request):
         tokens, load_async, _ = sched.num_new_matched_tokens(again, 0)
         assert (tokens, load_async) == (3 * BLOCK, True)
         sched.after_alloc(again, (block_ids,), tokens)
-        assert sched.build_meta(output()).wait_for_stores is waits
+        assert sched.build_meta(output(scheduled=BUSY)).wait_for_stores is waits
 
 
 def test_sliding_window_blocks_are_fenced_as_soon_as_they_are_stored(make_request):
@@ -190,7 +201,8 @@ def test_the_fence_waits_whenever_a_reallocated_block_may_still_be_read(make_req
             news.append(NewRequestData.from_request(request, (ids,)))
             scheduled[req_id] = request.num_tokens
             running[req_id] = ids
-        meta = sched.build_meta(output(new=news, scheduled=scheduled, preempted=preempted))
+        meta = sched.build_meta(output(new=news, scheduled=scheduled or BUSY,
+                                       preempted=preempted))
         for new in news:
             sched._requests[new.req_id].request.num_computed_tokens = scheduled[new.req_id]
         hazard = any(reading.get(b, -1) > copied_through for b in allocated)
