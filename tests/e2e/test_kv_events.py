@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 import pytest
 from engine_harness import ENGINE_BLOCK_SIZE, run_engine
-from vocab import word_prompt
+
+from kv_offload.testing.tiny_vocab import word_prompt
 
 zmq = pytest.importorskip("zmq")
 pytestmark = pytest.mark.e2e
