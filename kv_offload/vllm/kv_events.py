@@ -8,7 +8,7 @@ Contents:
 - `KVEventTracker`: events on: records planned stores, turns the ranks' reports into
   `BlockStored` / `BlockRemoved` events, hands them to vLLM through `take`.
 - `make_kv_events(vllm_config, kv_cache_config, hash_block_size, storage_name)`: the
-  connector's choice between the two.
+  connector's choice between the two; `group_event_specs(kv_cache_config)`: its groups.
 
 How. vLLM's scheduler publishes, after every step, its own events (medium "GPU") followed by
 what the connector's `take_events()` returns, through the publisher of `--kv-events-config`
@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 MEDIUM_HOST = MEDIUM_CPU  # "CPU": our host-memory tier
 __all__ = ["MEDIUM_HOST", "MEDIUM_STORAGE", "GroupEventSpec", "KVEventTracker", "KVEvents",
-           "make_kv_events"]
+           "group_event_specs", "make_kv_events"]
 
 PENDING_STEPS = 1000  # steps a planned store's payload waits for its store to be reported
 _MEDIA = ((HOST_BIT, MEDIUM_HOST), (STORAGE_BIT, MEDIUM_STORAGE))
