@@ -90,6 +90,13 @@ def request_factory():
 
 # --- 1. per-step cost ---
 
+def pending_changes(worker) -> int:
+    """Key changes the worker has not reported yet (0 where the tree cannot tell)."""
+    store = getattr(worker, "store", None)
+    view = getattr(store, "view", None)
+    return getattr(view, "num_pending", 0) + len(getattr(worker, "_report_changes", ()))
+
+
 def run_steps(args) -> dict:
     rng = random.Random(args.seed)
     specs = model_specs(args.model)
@@ -128,7 +135,10 @@ def run_steps(args) -> dict:
         while True:
             record = engine.step()
             records.append(record)
-            streaming = reported < len(inventory) or record.report_keys == cap
+            # Streaming until the tier has listed its whole inventory and the worker has
+            # reported it (no more than a step's worth of changes left behind).
+            streaming = reported < len(inventory) or record.report_keys == cap or \
+                tier.inventory_left() > 0 or pending_changes(worker) > 1024
             reported += record.report_keys
             if stream_end is None and not streaming:
                 stream_end = record.step  # the first step after the inventory arrived

@@ -104,6 +104,11 @@ class SyntheticTier(StorageTier):
             self._cursor = end
         return TierChanges(tuple(added), tuple(removed))
 
+    def inventory_left(self) -> int:
+        """Keys of the initial inventory not yet handed out by `take_changes`."""
+        with self._lock:
+            return len(self._unlisted) - self._cursor
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._index)

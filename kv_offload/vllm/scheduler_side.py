@@ -28,7 +28,7 @@ from kv_offload.specs import KVCacheSpec
 from kv_offload.types import GroupBlocks, Location
 from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kv_offload.vllm.rank_keys import RankKeys
+from kv_offload.vllm.rank_keys import HOST_BIT, RankKeys
 from kv_offload.vllm.report_lag import ReportLag
 from kv_offload.vllm.store_fence import StoreFence
 
@@ -270,9 +270,12 @@ class OffloadScheduler:
         """HOST when every block of the request's planned load is in every rank's host
         memory, else STORAGE (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
-        on_host = all(self._keys.held_by_all((block_hash, g), Location.HOST)
-                      for g, (hashes, _) in plan.items() for block_hash in hashes)
-        return Location.HOST if on_host else Location.STORAGE
+        for g, (hashes, _) in plan.items():
+            for held in self._keys.group_maps(g):  # (plain loops: this runs per hit block)
+                for block_hash in hashes:
+                    if not held.get(block_hash, 0) & HOST_BIT:
+                        return Location.STORAGE
+        return Location.HOST
 
     def loads_finished(self, finished: set[str], failed: set[str]) -> None:
         for req_id in finished:
@@ -376,9 +379,17 @@ class OffloadScheduler:
         per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
         held = [self._keys.group_maps(g) for g in range(len(self.specs))]
 
-        def is_cached(group: int, block: int) -> bool:
+        num_hashes = len(hashes)
+
+        def is_cached(group: int, block: int) -> bool:  # (per block of a lookup: no genexpr)
             index, maps = (block + 1) * per_block[group] - 1, held[group]
-            return index < len(hashes) and bool(maps) and all(hashes[index] in m for m in maps)
+            if index >= num_hashes or not maps:
+                return False
+            block_hash = hashes[index]
+            for rank_held in maps:  # noqa: SIM110 (a loop: no generator per block)
+                if block_hash not in rank_held:
+                    return False
+            return True
 
         return is_cached
 
