@@ -36,6 +36,7 @@ class SyntheticTier(StorageTier):
         self._index: OrderedDict[bytes, None] = OrderedDict.fromkeys(inventory)  # FIFO
         self._unlisted = tuple(self._index)  # the inventory, sent from `_cursor` on
         self._cursor = 0
+        self._feed_read = False  # a tree that reads the change feed (not `keys()`)
         self._changes: dict[bytes, bool] = {}  # since the last take: key -> added (latest wins)
         self._results: list[TierJobResult] = []
         self._reads: list[tuple] = []  # (job id, keys, buffers, held): filled at `poll`
@@ -93,6 +94,7 @@ class SyntheticTier(StorageTier):
         (keys evicted meanwhile are skipped): at most `max_keys` keys."""
         added, removed = [], []
         with self._lock:
+            self._feed_read = True
             changes = self._changes
             while changes and len(added) + len(removed) < max_keys:
                 key, was_added = changes.popitem()
@@ -105,9 +107,10 @@ class SyntheticTier(StorageTier):
         return TierChanges(tuple(added), tuple(removed))
 
     def inventory_left(self) -> int:
-        """Keys of the initial inventory not yet handed out by `take_changes`."""
+        """Keys of the initial inventory not yet handed out by `take_changes` (0 for a tree
+        that lists `keys()` instead of reading the change feed)."""
         with self._lock:
-            return len(self._unlisted) - self._cursor
+            return len(self._unlisted) - self._cursor if self._feed_read else 0
 
     def keys(self) -> list[bytes]:
         with self._lock:
