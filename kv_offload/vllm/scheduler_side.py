@@ -27,6 +27,7 @@ from typing import Any
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import Location, OffloadKey
+from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import RankKeys
 
@@ -72,6 +73,8 @@ class OffloadScheduler:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
         self._keys = RankKeys(world_size)  # where each rank holds each key
+        # Mamba-type groups store the states vLLM offers, not blocks by position.
+        self._states = BoundaryStateStores(specs, hash_block_size)
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
@@ -148,13 +151,17 @@ class OffloadScheduler:
         self._track_block_ids(scheduler_output)
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        done_by_request: dict[str, int] = {}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
             state.loading = False  # it runs: vLLM saw its load end (even if we missed that)
             done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
+            done_by_request[req_id] = done
             self._plan_stores(state, done, stores)
+        if self._states.groups:
+            self._plan_state_stores(scheduler_output, done_by_request, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
                                  stores=stores, reset=self._reset,
                                  step=self._step)
@@ -182,6 +189,17 @@ class OffloadScheduler:
                 for group_ids, more in zip(state.block_ids, new_ids):
                     group_ids.extend(more)
 
+    def _plan_state_stores(self, scheduler_output: Any, done_by_request: dict[str, int],
+                           stores: GroupBlocks) -> None:
+        """The Mamba-type states vLLM offers this step (see mamba_states.py)."""
+        def request_of(req_id: str) -> Any:
+            state = self._requests.get(req_id)
+            return None if state is None or state.stores_off else state.request
+
+        self._states.plan(offers_of(scheduler_output), request_of, done_by_request.get,
+                          lambda block_hash, g: self._keys.held_by_all((block_hash, g)),
+                          stores)
+
     def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
         """Add the blocks of this request that became worth storing (linear over the
         request's life: each group's `StoreFrontier` decides each block once)."""
@@ -194,6 +212,8 @@ class OffloadScheduler:
         hashes = request.block_hashes
         num_hashes = len(hashes)
         for g, spec in enumerate(self.specs):
+            if g in self._states.groups:
+                continue  # stored from vLLM's offers (_plan_state_stores)
             per_block = spec.block_size // self.hash_block_size
             block_ids = state.block_ids[g] if g < len(state.block_ids) else []
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
@@ -223,8 +243,10 @@ class OffloadScheduler:
                 hashes_out, ids_out = stores.setdefault(g, ([], []))
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
-        state.next_store_tokens = min(frontier.next_hit_point * spec.block_size
-                                      for frontier, spec in zip(state.frontiers, self.specs))
+        state.next_store_tokens = min(
+            (frontier.next_hit_point * spec.block_size
+             for g, (frontier, spec) in enumerate(zip(state.frontiers, self.specs))
+             if g not in self._states.groups), default=1 << 62)
 
     # --- worker reports and request ends ---
 
