@@ -35,10 +35,12 @@ LONGER = [PROMPTS[0] + " " + word_prompt(90, offset=420),
           PROMPTS[2] + " " + word_prompt(60, offset=20)]
 MODELS = {
     "qwen3_next": {"builder": build_qwen3_next, "engine_args": {},
-                   "pressure_bytes": 4 * 1024 * 1024},
+                   "pressure": {"bytes": 4 * 1024 * 1024, "prompt": 200, "max_tokens": 48}},
+    # One 64-token chunk per step: requests are admitted one at a time, so only requests
+    # that grow by whole blocks while decoding make vLLM preempt.
     "granite_hybrid": {"builder": build_granite_hybrid,
                        "engine_args": {"max_num_batched_tokens": BLOCK},
-                       "pressure_bytes": 256 * 1024},
+                       "pressure": {"bytes": 384 * 1024, "prompt": 180, "max_tokens": 80}},
 }
 
 
@@ -77,15 +79,21 @@ def full_prefixes(pass_result: dict[str, Any]) -> list[int]:
     return [(r["prompt_len"] - 1) // BLOCK * BLOCK for r in pass_result["requests"]]
 
 
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mamba_models")
+    return {model: MODELS[model]["builder"](root / model) for model in MODELS}
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
-def runs(request, tmp_path_factory) -> dict[str, Any]:
+def runs(request, model_dirs, tmp_path_factory) -> dict[str, Any]:
     """Per model: a run without the connector (the prompts, then the longer prompts with
     vLLM's own cache warm: its own hit is the reference), a connector run writing through to
     a disk directory (cold; after vLLM's cache reset; the longer prompts after another
     reset), and the negative control (cold; after the reset)."""
     model = request.param
     work = tmp_path_factory.mktemp(f"mamba_{model}")
-    model_dir = MODELS[model]["builder"](work / "model")
+    model_dir = model_dirs[model]
     fs_root = work / "kv"
     longer = {"prompts": LONGER}
     baseline = run_engine(spec(model, model_dir, [{}, longer]), work / "baseline")
@@ -192,20 +200,22 @@ def test_corrupted_disk_files_are_recomputed(runs):
     assert "will be recomputed" in (runs["work"] / "corrupt" / "engine.log").read_text()
 
 
-def test_preemption_under_memory_pressure_keeps_outputs_identical(runs):
-    """A KV cache of a few dozen blocks for eight requests: vLLM preempts and re-admits
+@pytest.mark.parametrize("model", list(MODELS))
+def test_preemption_under_memory_pressure_keeps_outputs_identical(model, model_dirs, tmp_path):
+    """A KV cache of 16-24 blocks for eight requests: vLLM preempts and re-admits
     requests (freeing and reusing state blocks) while our stores and loads are in flight."""
-    model = runs["model"]
-    prompts = [word_prompt(200, offset=50 * i) for i in range(8)]
-    pressure = {"kv_cache_memory_bytes": MODELS[model]["pressure_bytes"], "max_model_len": 512,
+    sizes = MODELS[model]["pressure"]
+    prompts = [word_prompt(sizes["prompt"], offset=50 * i) for i in range(8)]
+    pressure = {"kv_cache_memory_bytes": sizes["bytes"], "max_model_len": 512,
                 "disable_log_stats": False}
-    common = {"prompts": prompts, "max_tokens": 48, "metrics_prefix": "vllm:num_preemptions"}
-    baseline = run_engine({**spec(model, runs["model_dir"], [{}], engine_args=pressure),
-                           **common}, runs["work"] / "pressure_baseline")
+    common = {"prompts": prompts, "max_tokens": sizes["max_tokens"],
+              "metrics_prefix": "vllm:num_preemptions"}
+    baseline = run_engine({**spec(model, model_dirs[model], [{}], engine_args=pressure),
+                           **common}, tmp_path / "baseline")
     result = run_engine(
-        {**spec(model, runs["model_dir"], [{}, {"reset_prefix_cache": True}],
+        {**spec(model, model_dirs[model], [{}, {"reset_prefix_cache": True}],
                 connector_config(None), engine_args=pressure), **common},
-        runs["work"] / "pressure_offload")
+        tmp_path / "offload")
     preemptions = sum(m["value"] for m in result["metrics"])
     assert preemptions > 0, "the test lost its point: vLLM did not preempt"
     cold, again = result["passes"]
