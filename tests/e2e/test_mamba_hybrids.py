@@ -35,12 +35,18 @@ LONGER = [PROMPTS[0] + " " + word_prompt(90, offset=420),
           PROMPTS[2] + " " + word_prompt(60, offset=20)]
 MODELS = {
     "qwen3_next": {"builder": build_qwen3_next, "engine_args": {},
-                   "pressure": {"bytes": 4 * 1024 * 1024, "prompt": 200, "max_tokens": 48}},
+                   "pressure": {"bytes": 4 * 1024 * 1024, "prompt": 200, "max_tokens": 48,
+                                "preemption_invariant": True}},
     # One 64-token chunk per step: requests are admitted one at a time, so only requests
-    # that grow by whole blocks while decoding make vLLM preempt.
+    # that grow by whole blocks while decoding make vLLM preempt. vLLM's CPU Mamba2 is not
+    # preemption-invariant by itself: a preempted request recomputes its generated tokens
+    # as a prefill chunk, which rounds differently from decoding them one by one (measured
+    # without any connector: 3 of 8 requests changed tokens after 25-129 positions with 5
+    # preemptions vs none). Only what precedes any decode is compared exactly there.
     "granite_hybrid": {"builder": build_granite_hybrid,
                        "engine_args": {"max_num_batched_tokens": BLOCK},
-                       "pressure": {"bytes": 384 * 1024, "prompt": 180, "max_tokens": 80}},
+                       "pressure": {"bytes": 384 * 1024, "prompt": 180, "max_tokens": 80,
+                                    "preemption_invariant": False}},
 }
 
 
@@ -219,6 +225,14 @@ def test_preemption_under_memory_pressure_keeps_outputs_identical(model, model_d
     preemptions = sum(m["value"] for m in result["metrics"])
     assert preemptions > 0, "the test lost its point: vLLM did not preempt"
     cold, again = result["passes"]
-    assert token_ids(cold) == token_ids(baseline["passes"][0])
-    assert token_ids(again) == token_ids(baseline["passes"][0])
     assert sum(r["num_cached_tokens"] for r in again["requests"]) > 0
+    (want,) = baseline["passes"]
+    if sizes["preemption_invariant"]:
+        assert token_ids(cold) == token_ids(want)
+        assert token_ids(again) == token_ids(want)
+    else:  # the first token and its top-5 logprobs: the prompt's state, restored or not
+        def first(pass_result: dict[str, Any]) -> list[tuple[int, dict]]:
+            return [(toks[0], lps[0]) for toks, lps in outputs(pass_result)]
+
+        assert first(cold) == first(want)
+        assert first(again) == first(want)
