@@ -30,9 +30,6 @@ from vllm_scheduler_helpers import (  # noqa: E402
     vkv,
 )
 
-from kv_offload.errors import ConfigError  # noqa: E402
-from kv_offload.specs import MambaSpec  # noqa: E402
-from kv_offload.vllm.mamba_states import check_mamba_servable  # noqa: E402
 from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
 
 MAMBA_TYPES = ["SHORT_CONV", "MAMBA1", "MAMBA2", "GDN_ATTN", "LINEAR"]
@@ -165,30 +162,3 @@ def test_no_hit_past_the_last_stored_state(mamba_type):
     report(sched, 0, held, reflected_step=steps[-1][1].step)  # every store reported
     tokens, _, _ = sched.num_new_matched_tokens(make("b", 200), 0)
     assert tokens == 96
-
-
-def _vllm_config(prefix_caching: bool, mode: str):
-    class Cache:
-        enable_prefix_caching = prefix_caching
-        mamba_cache_mode = mode
-
-    class Config:
-        cache_config = Cache()
-
-    return Config()
-
-
-def test_prefix_caching_off_is_refused_by_name():
-    groups = translate_groups(kv_cache_config("MAMBA2"))
-    with pytest.raises(ConfigError, match="enable_prefix_caching"):
-        check_mamba_servable(groups, _vllm_config(False, "none"))
-    check_mamba_servable(groups, _vllm_config(True, "align"))  # served
-
-
-def test_speculative_state_blocks_are_refused_by_name():
-    groups = translate_groups(kv_cache_config("GDN_ATTN"))
-    spec = groups[STATE_GROUP].spec
-    assert isinstance(spec, MambaSpec)
-    object.__setattr__(spec, "num_speculative_blocks", 2)
-    with pytest.raises(ConfigError, match="speculative_config"):
-        check_mamba_servable(groups, _vllm_config(True, "align"))
