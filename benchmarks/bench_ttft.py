@@ -44,6 +44,11 @@ from typing import Any
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MODEL_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4}
+# --arch: the model family and its sizes. qwen3_next: GatedDeltaNet layers with a full
+# attention layer every 4th (a Mamba-type hybrid; vLLM picks its own unified block size).
+ARCHS = {"llama": ("Llama-like", MODEL_SIZES),
+         "qwen3_next": ("Qwen3-Next-like", {"layers": 8, "hidden": 1024, "heads": 16,
+                                             "kv_heads": 4, "linear_heads": 4})}
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
 PASSES = ("cold_no_connector", "cold_with_connector", "host", "disk")
 GOALS = {"host": 0.15, "disk": 0.3}  # TTFT ratio to recompute, from the issue
@@ -108,15 +113,16 @@ def _hits_by_source(llm: Any) -> dict[str, float]:
 def _model_dir(args: argparse.Namespace) -> Path:
     """The benchmark model: `--model-dir` if it holds one, else built there (or in a cache)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kv-offload"
-    path = args.model_dir or default / "bench-ttft-model"
+    suffix = "" if args.arch == "llama" else f"-{args.arch}"
+    path = args.model_dir or default / f"bench-ttft-model{suffix}"
     if (path / "config.json").exists():
         return path
-    from kv_offload.tiny_models import build_llama
+    from kv_offload.tiny_models import BUILDERS
 
     print(f"building the benchmark model in {path} ...", flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(path.parent)))
-    build_llama(building, max_positions=max(4096, _max_model_len(args.prompt_tokens)),
-                **MODEL_SIZES)
+    BUILDERS[args.arch](building, max_positions=max(4096, _max_model_len(args.prompt_tokens)),
+                        **ARCHS[args.arch][1])
     building.rename(path)  # whole or absent: an interrupted build leaves no half model
     return path
 
@@ -229,7 +235,7 @@ def _summarise(samples: list[dict[str, Any]], prompt_tokens: int) -> dict[str, A
 
 def _print_table(summary: dict[str, Any], args: argparse.Namespace, starts: dict) -> None:
     print(f"\nTTFT, {args.prompts} prompts x {args.prompt_tokens} tokens, max_tokens=1, "
-          f"Llama-like {MODEL_SIZES}; engine start "
+          f"{ARCHS[args.arch][0]} {ARCHS[args.arch][1]}; engine start "
           + ", ".join(f"{k} {v:.1f} s" for k, v in starts.items()) + "\n")
     header = ("pass", "median TTFT (wall)", "min", "vLLM TTFT", "x recompute", "goal",
               "cached tokens", "served from", "same token")
@@ -285,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {a:.1f}/{b:.1f}" for k, (a, b) in loads.items()))
     if args.json:
         args.json.write_text(json.dumps({
-            "model": {"path": str(model), **MODEL_SIZES}, "num_prompts": args.prompts,
+            "model": {"path": str(model), "arch": args.arch, **ARCHS[args.arch][1]},
+            "num_prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "settle_s": args.settle_s,
             "goals": GOALS,
             "connector_extra_config": CONNECTOR_EXTRA, "engine_start_s": starts,
@@ -300,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path,
                         help="model directory to reuse, or where to build it "
                              "(default ~/.cache/kv-offload/bench-ttft-model)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama",
+                        help="model family (default llama; qwen3_next: a Mamba-type hybrid)")
     parser.add_argument("--prompts", type=int, default=3, help="distinct prompts (default 3)")
     parser.add_argument("--prompt-tokens", type=int, default=2000,
                         help="tokens per prompt (default 2000)")

@@ -2,9 +2,9 @@
 
 Usage: python vllm_runner.py SPEC.json
 The spec names a model directory, prompts, engine settings and a list of passes; every pass
-sends all prompts (greedy), or its own `prompts`, and may first reset vLLM's own prefix
-cache. The last stdout line starting with RESULT_MARKER carries the results, so vLLM's
-logging cannot corrupt them.
+sends all prompts (greedy), or its own `prompts` (optionally one at a time), and may first
+reset vLLM's own prefix cache. The last stdout line starting with RESULT_MARKER carries the
+results, so vLLM's logging cannot corrupt them.
 Kept separate from pytest so engine processes, threads and env settings never leak into it.
 """
 
@@ -48,7 +48,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError("vLLM refused to reset its prefix cache")
         t0 = time.perf_counter()
         prompts = pass_spec.get("prompts", spec["prompts"])  # a pass may send its own
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if pass_spec.get("one_at_a_time"):  # batches of one: numerics independent of timing
+            outputs = [out for prompt in prompts
+                       for out in llm.generate([prompt], params, use_tqdm=False)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         passes.append(
             {
                 "seconds": time.perf_counter() - t0,
