@@ -16,8 +16,8 @@ import time
 import torch
 
 from kv_offload import FullAttentionSpec, MambaSpec, SlidingWindowSpec, canonicalize
-from kv_offload.engine_alloc import allocate_kv_caches
-from kv_offload.example_models import group_layers
+from kv_offload.testing.engine_alloc import allocate_kv_caches
+from kv_offload.testing.example_models import group_layers
 
 
 def hybrid_mamba(num_layers: int):

@@ -9,10 +9,11 @@ side by side with its own baseline (one torch copy of the same bytes).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from kv_offload.bench import add_bench_arguments, bench_cpu
+from kv_offload.tools.bench import add_bench_arguments, check_bench_arguments
+from kv_offload.tools.bench_cpu import bench_cpu
+from kv_offload.tools.report import STATISTIC, Table, emit, envelope
 
 CASES = [
     ["--page-kib", "2"],
@@ -32,7 +33,7 @@ CASES = [
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--json", metavar="PATH", help="the envelope ('-': stdout)")
     parser.add_argument("--repeats", default="5")
     parser.add_argument("--batch-mib", default="256")
     args = parser.parse_args(argv)
@@ -42,20 +43,20 @@ def main(argv: list[str] | None = None) -> int:
         add_bench_arguments(case_parser)
         case_args = case_parser.parse_args(
             case + ["--repeats", args.repeats, "--batch-mib", args.batch_mib])
+        check_bench_arguments(case_args)
         results.append(bench_cpu(case_args))
-    print(f"{'case':34}{'page B':>9}{'blocks':>8}{'base':>7}{'store':>7}{'load':>7}"
-          f"{'st/b':>6}{'ld/b':>6}{'bad':>5}  strategies (store/load)")
+    table = Table("kv-offload bench --backend cpu, every case: GB/s, best of the repeats; "
+                  "ratios to the baseline of the same row",
+                  ("case", "page B", "blocks", "base st", "store", "base ld", "load", "st/b",
+                   "ld/b", "bad", "strategies (store/load)"))
     for r in results:
-        label = f"{r['model']} {r['layout']} {r['pattern']}"
-        strategies = f"{','.join(r['strategies']['store'])}/{','.join(r['strategies']['load'])}"
-        print(f"{label:34}{r['page_bytes']:9d}{r['blocks']:8d}{r['baseline_gbps']:7.2f}"
-              f"{r['store_gbps']:7.2f}{r['load_gbps']:7.2f}{r['store_ratio']:6.2f}"
-              f"{r['load_ratio']:6.2f}{r['mismatches']:5d}  {strategies}")
-    print("GB/s, best of the repeats; st/b and ld/b: ratio to the baseline of the same row")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0 if all(r["mismatches"] == 0 for r in results) else 1
+        table.add(f"{r['model']} {r['layout']} {r['pattern']}", r["page_bytes"], r["blocks"],
+                  r["baseline_store_gbps"], r["store_gbps"], r["baseline_load_gbps"],
+                  r["load_gbps"], r["store_ratio"], r["load_ratio"],
+                  r["mismatches"] + r["failed_keys"],
+                  f"{','.join(r['strategies']['store'])}/{','.join(r['strategies']['load'])}")
+    emit([table], envelope("bench_cpu_backend", results, STATISTIC), args.json)
+    return 0 if all(r["mismatches"] == 0 and r["failed_keys"] == 0 for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from kv_offload import canonicalize
-from kv_offload.example_models import build_example
 from kv_offload.kernels import BlockCopier, CudaRuntime, Direction, EngineReady
 from kv_offload.kernels.cuda_calls import BATCH_CALL_US, BATCH_COPY_US, MEMCPY_CALL_US
+from kv_offload.testing.example_models import build_example
 
 KERNEL_LAUNCH_US = 5.0  # one kernel launch (published order of magnitude), for the model
 

@@ -31,8 +31,8 @@ from kv_offload import (
     SlidingWindowSpec,
     find_longest_cache_hit,
 )
-from kv_offload.example_models import gemma3, group_layers, qwen3_next
 from kv_offload.manager import OffloadManager
+from kv_offload.testing.example_models import gemma3, group_layers, qwen3_next
 
 PROMPT_TOKENS = 128 * 1024
 MAX_LENGTH = PROMPT_TOKENS - 1  # vLLM always computes the last prompt token

@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_offload.demo import model_dir
 from kv_offload.serving.client import Completion, ServingClient, compare_outputs, stream_completion
 from kv_offload.serving.server import ServerSettings, VllmServer
+from kv_offload.tools.demo import model_dir
 
 NUM_WORDS = 500  # the tiny models' vocabulary: "w0".."w499", one token each
 _RESET_GIVE_UP_S = 60.0

@@ -7,8 +7,11 @@
    the first steps, while the inventory reaches the scheduler, and the steady state after
    `--warmup-steps` (the first requests' prefills), `--steady-steps` long.
    Scheduler side = lookups (+ after_alloc, source_of) + build_meta + apply_worker_meta +
-   loads_finished + request_finished; worker side = wait_for_engine_copies + start_loads +
-   start_stores + finished_loads + report + take_stats. Pickling our metadata across
+   loads_finished + request_finished; worker side = wait_for_engine_copies (only in steps
+   whose metadata says `wait_for_stores`, as the connector's handle_preemptions; the old
+   tree waited every step) + start_loads + start_stores + finished_loads + report +
+   take_stats. The simulated engine hands out free blocks as vLLM does (least recently
+   freed first). Pickling our metadata across
    vLLM's process boundary is timed apart ("ipc"). Goal: p99 < 1 ms on each side. Each
    call is timed twice: wall clock (what the engine thread waited, including waits for
    the worker lock while the pump holds it, garbage collection, and, on a shared machine,
@@ -57,8 +60,8 @@ from vllm.v1.request import Request
 
 import kv_offload
 from kv_offload.config import OffloadConfig
-from kv_offload.engine_alloc import allocate_kv_caches
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.vllm import worker_side
 from kv_offload.vllm.scheduler_side import OffloadScheduler
 

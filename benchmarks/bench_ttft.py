@@ -61,7 +61,7 @@ def _child(spec_path: Path) -> int:
     """Inside one engine process: start vLLM, run the spec's steps, write the results."""
     from vllm import LLM, SamplingParams
 
-    from kv_offload.tiny_vocab import word_prompt
+    from kv_offload.testing.tiny_vocab import word_prompt
 
     spec = json.loads(spec_path.read_text())
     started = time.perf_counter()
@@ -119,7 +119,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
     path = args.model_dir or default / f"bench-ttft-model{suffix}"
     if (path / "config.json").exists():
         return path
-    from kv_offload.tiny_models import BUILDERS
+    from kv_offload.testing.tiny_models import BUILDERS
 
     print(f"building the benchmark model in {path} ...", flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(path.parent)))
@@ -261,7 +261,7 @@ def _print_table(summary: dict[str, Any], args: argparse.Namespace, starts: dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_offload.tiny_vocab import NUM_WORDS, word_prompt
+    from kv_offload.testing.tiny_vocab import NUM_WORDS, word_prompt
 
     # Distinct first words give distinct block-hash chains: no prompt shares a block with
     # another, with the warm-up prompts, or with the engine's short first request.

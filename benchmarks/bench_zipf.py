@@ -146,7 +146,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
     path = args.model_dir or default / f"bench-zipf-model-{DTYPE}"
     if (path / "config.json").exists():
         return path
-    from kv_offload.tiny_models import build_llama
+    from kv_offload.testing.tiny_models import build_llama
 
     print(f"building the benchmark model in {path} ...", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -301,7 +301,7 @@ def _print_table(s: dict[str, Any], sizes: dict[str, Any], args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_offload.tiny_vocab import NUM_WORDS, SPECIAL_TOKENS
+    from kv_offload.testing.tiny_vocab import NUM_WORDS, SPECIAL_TOKENS
 
     words = range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + NUM_WORDS)
     documents = zipf_trace.make_documents(args.documents, args.min_blocks, args.max_blocks,

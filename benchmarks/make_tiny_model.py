@@ -4,8 +4,9 @@
     python benchmarks/make_tiny_model.py --arch llama --out /tmp/kvo-big \
         --layers 8 --hidden 1024 --heads 16 --kv-heads 4
 
-Prompts for these models are words "w0 w1 ..." (`kv_offload.tiny_vocab.word_prompt`). The
-builders live in `kv_offload.tiny_models`; this script only exposes them on the command line.
+Prompts for these models are words "w0 w1 ..." (`kv_offload.testing.tiny_vocab.word_prompt`).
+The builders live in `kv_offload.testing.tiny_models`; this script only exposes them on the
+command line.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kv_offload.tiny_models import BUILDERS
+from kv_offload.testing.tiny_models import BUILDERS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import gc
 import pickle
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -107,7 +108,9 @@ class SimEngine:
         self.documents = documents
         self.system_prompts = system_prompts
         self.rng = random.Random(seed)
-        self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is vLLM's null block
+        # vLLM's free block queue: allocations take the least recently freed block (the
+        # head), frees go to the tail. Block 0 is vLLM's null block.
+        self._free = deque(range(1, num_blocks))
         self._requests: dict[str, _SimRequest] = {}
         self._next_id = 0
         self._step = 0
@@ -122,7 +125,8 @@ class SimEngine:
         self._update_after_schedule(output)
         meta = _ipc(timing, meta)  # the scheduler's process -> every worker's
         worker = self.worker
-        _timed(timing, "wait_for_engine_copies", worker.wait_for_engine_copies)
+        if getattr(meta, "wait_for_stores", True):  # (as the connector's handle_preemptions)
+            _timed(timing, "wait_for_engine_copies", worker.wait_for_engine_copies)
         _timed(timing, "start_loads", lambda: (worker.begin_step(meta.step),
                                                start_loads(worker, meta)))
         time.sleep(self.workload.forward_s)
@@ -185,7 +189,8 @@ class SimEngine:
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-            finished_req_ids=set(), free_encoder_mm_hashes=[])
+            finished_req_ids=set(), free_encoder_mm_hashes=[],
+            preempted_req_ids=set())  # (the simulation never preempts)
 
     def _admit(self, sim: _SimRequest, timing: _Step) -> bool:
         """The connector's lookup for a waiting request; True when it can run now."""
@@ -236,7 +241,7 @@ class SimEngine:
         keep = _timed(timing, "request_finished", self.scheduler.request_finished, req_id)
         if not keep:
             for ids in sim.block_ids:
-                self._free.extend(ids)
+                self._free.extend(reversed(ids))  # (vLLM frees a request's tail first)
         self._arrive()
 
     def _grow(self, sim: _SimRequest, tokens: int) -> bool:
@@ -247,7 +252,7 @@ class SimEngine:
         if needed * self.num_groups > len(self._free):
             return False
         for ids, new in zip(sim.block_ids, sim.new_ids):
-            more = [self._free.pop() for _ in range(needed)]
+            more = [self._free.popleft() for _ in range(needed)]
             ids.extend(more)
             new.extend(more)
         return True

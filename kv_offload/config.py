@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kv_offload.errors import ConfigError
+from kv_offload.policies import POLICIES
 
-EVICTION_POLICIES = ("lru", "arc")
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -36,7 +36,7 @@ class OffloadConfig:
     fs_bytes_to_use: int | None = None
     """Disk budget in bytes; required when fs_root_dir is set."""
     block_size: int | None = None
-    """Tokens per offloaded chunk, a multiple of the engine block size (default: the engine's)."""
+    """Tokens per offloaded block: unset, or the engine block size (no other value is served)."""
     eviction_policy: str = "lru"
     """'lru', 'arc', or 'package.module:ClassName' for a custom policy."""
     fs_fsync: bool = False
@@ -48,15 +48,14 @@ class OffloadConfig:
     """Settings of storage_tier, checked by that tier (unknown options are refused)."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
-        """The offloaded chunk size in tokens, validated against the engine's block size."""
-        if self.block_size is None:
-            return engine_block_size
-        if self.block_size % engine_block_size:
+        """The offloaded chunk size in tokens: the engine's block size (the one rule: a
+        key names one whole engine block, so any other `block_size` is refused)."""
+        if self.block_size is not None and self.block_size != engine_block_size:
             raise ConfigError(
-                f"block_size={self.block_size} must be a multiple of the engine block size "
-                f"{engine_block_size}"
-            )
-        return self.block_size
+                f"block_size={self.block_size}: kv-offload moves whole engine blocks of "
+                f"{engine_block_size} tokens; leave block_size unset or set it to "
+                f"{engine_block_size}")
+        return engine_block_size
 
 
 def parse_size(key: str, value: Any) -> int:
@@ -110,8 +109,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         values["block_size"] = block
     if "eviction_policy" in extra:
         policy = extra["eviction_policy"]
-        if not isinstance(policy, str) or (policy not in EVICTION_POLICIES and ":" not in policy):
-            raise ConfigError(f"eviction_policy must be one of {list(EVICTION_POLICIES)} or "
+        if not isinstance(policy, str) or (policy not in POLICIES and ":" not in policy):
+            raise ConfigError(f"eviction_policy must be one of {list(POLICIES)} or "
                               f"'package.module:ClassName', got {policy!r}")
         values["eviction_policy"] = policy
     if "fs_fsync" in extra:

@@ -75,3 +75,7 @@ class ServerStartError(ServingError):
 class ServeCheckInputError(KVOffloadError, ValueError):
     """Arguments of `kv-offload serve-check` that cannot work against this server, or a
     `--replay` record that is not one `--record` wrote."""
+
+
+class BenchArgumentError(KVOffloadError, ValueError):
+    """Flags of `kv-offload bench` that the chosen backend cannot honour, or bad values."""

@@ -99,7 +99,8 @@ class KeyView:
         self._reset = True
 
     def take(self, max_keys: int) -> KeyChanges:
-        """Up to `max_keys` keys whose location differs from what was last reported."""
+        """Up to `max_keys` keys whose location, or a host key's storage copy
+        (`KeyChange.in_storage`), differs from what was last reported."""
         changes: list[KeyChange] = []
         reported = self._reported
         for group, dirty in self._dirty.items():
@@ -109,12 +110,14 @@ class KeyView:
                 group_reported = reported[group] = {}
             while dirty and len(changes) < max_keys:
                 block_hash, _ = dirty.popitem()
-                # (int codes, not Location members: an Enum member hashes in Python code)
-                code = _HOST if block_hash in host else _STORAGE if block_hash in storage \
-                    else _ABSENT
+                # (int codes, not Location members: an Enum member hashes in Python code;
+                # a bit per tier, so a host key's write-through is a change too)
+                code = (_HOST if block_hash in host else _ABSENT) | \
+                    (_STORAGE if block_hash in storage else _ABSENT)
                 if group_reported.get(block_hash, _ABSENT) == code:
                     continue
-                changes.append(KeyChange((block_hash, group), _LOCATIONS[code]))
+                changes.append(KeyChange((block_hash, group), _LOCATIONS[code],
+                                         code == _HOST_AND_STORAGE))
                 if code == _ABSENT:
                     del group_reported[block_hash]
                 else:
@@ -151,5 +154,5 @@ class KeyView:
 
 
 _EMPTY: dict = {}  # (never written: `pop` on it finds nothing)
-_ABSENT, _HOST, _STORAGE = 0, 1, 2  # location codes
-_LOCATIONS = (Location.ABSENT, Location.HOST, Location.STORAGE)  # by code
+_ABSENT, _HOST, _STORAGE, _HOST_AND_STORAGE = 0, 1, 2, 3  # location codes (bits)
+_LOCATIONS = (Location.ABSENT, Location.HOST, Location.STORAGE, Location.HOST)  # by code

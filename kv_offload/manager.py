@@ -38,7 +38,10 @@ from kv_offload.types import OffloadKey
 logger = logging.getLogger(__name__)
 
 
-class KeyState(Enum):
+class SlotState(Enum):
+    """A key's state in this tier's slots (where a key can be loaded from, across the
+    tiers, is `kv_offload.types.Location`)."""
+
     ABSENT = "absent"
     STORING = "storing"
     READY = "ready"
@@ -95,7 +98,7 @@ class OffloadManager:
 
     # --- queries ---
 
-    def lookup(self, keys: Iterable[OffloadKey]) -> list[KeyState]:
+    def lookup(self, keys: Iterable[OffloadKey]) -> list[SlotState]:
         """The state of each key in this tier."""
         return [self._state(_checked(key)) for key in keys]
 
@@ -260,11 +263,11 @@ class OffloadManager:
 
     # --- internals ---
 
-    def _state(self, key: OffloadKey) -> KeyState:
+    def _state(self, key: OffloadKey) -> SlotState:
         entry = self._entries.get(key)
         if entry is None or entry.dropped:
-            return KeyState.ABSENT
-        return KeyState.READY if entry.ready else KeyState.STORING
+            return SlotState.ABSENT
+        return SlotState.READY if entry.ready else SlotState.STORING
 
     def _is_evictable(self, key: OffloadKey) -> bool:
         entry = self._entries.get(key)

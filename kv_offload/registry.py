@@ -5,6 +5,25 @@ which blocks must be cached for a prefix hit (`hit_rule`), and which specs may
 share a group (`uniform_base` + `uniform_key`). Lookup walks the MRO, so a
 subclass nobody registered inherits its parent's rules; out-of-tree spec types
 register with the `register_kv_cache_spec` decorator.
+
+Every file a new spec type touches (a built-in one; an out-of-tree type writes the same
+pieces in its own package and registers them with `register_kv_cache_spec` and
+`register_vllm_spec`):
+
+- the spec: `kv_offload/specs.py` (the dataclass with vLLM's field names, its
+  `page_size_bytes`, its merge rule) and its export in `kv_offload/__init__.py`;
+- the hit rule: `kv_offload/hit_rules.py` (which blocks a prefix hit must have cached);
+- the layout rule: `kv_offload/layouts.py` (how one layer's engine cache becomes pages), when
+  neither `attention_layout` nor `mamba_layout` fits;
+- the registration: `kv_offload/builtin_rules.py` (layout, hit rule, `uniform_base`,
+  `uniform_key`);
+- the vLLM translation: `kv_offload/vllm/spec_translation.py` (vLLM's spec class name -> ours,
+  or a translator for fields that differ; anything unmodelled stays refused);
+- the tests: `tests/unit/test_specs.py`, `tests/unit/test_registry.py`,
+  `tests/hybrid/hit_reference.py` (an independent reference of the hit semantics) with
+  `tests/hybrid/test_hits.py`, `tests/unit/test_vllm_spec_translation.py`, and an example
+  model in `kv_offload/testing/example_models.py` (canonicalised and copied by the kernel
+  tests and `kv-offload inspect`).
 """
 
 from __future__ import annotations

@@ -91,9 +91,11 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._stores: dict[int, Store] = {}  # stores whose result is not delivered yet
         self._staged_stores: dict[int, Store] = {}  # stores waiting for host room
         self._storage_jobs: dict[int, Read | WriteThrough] = {}
+        self._new_loads: list[Load] = []  # submitted, not yet planned
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
-        self._key_failures: Counter[str] = Counter()  # "read"/"write" -> storage keys failed
+        # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
+        self._key_failures: Counter[Direction] = Counter()
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
@@ -124,7 +126,16 @@ class TieredStore(LoadPipeline, StorePipeline):
             if self.storage is not None else TierStats()
         return TierUsage(used, cpu.num_slots * cpu.slot_bytes, storage)
 
-    def take_key_failures(self) -> dict[str, int]:
+    def take_fault_counts(self) -> dict[str, int]:
+        """Faults contained since the last call, by where they happened (for metrics)."""
+        return self.faults.take_counts()
+
+    def engine_ready(self) -> EngineReady:
+        """The point in the engine's work a copy must wait for, recorded on the calling
+        thread's current stream (GPU); pass it to `submit_store` / `submit_load`."""
+        return self.cpu.engine_ready()
+
+    def take_key_failures(self) -> dict[Direction, int]:
         """Storage keys whose read or write failed since the last call (for metrics)."""
         failures, self._key_failures = dict(self._key_failures), Counter()
         return failures
@@ -143,7 +154,10 @@ class TieredStore(LoadPipeline, StorePipeline):
         try:
             store.targets = targets_of(requests)
             store.waiting = list(store.targets)
-            self._stage_store(store)
+            # Staged at the next `poll` (the pump's thread), not in the caller's: this call
+            # is on the engine's step path and costs O(blocks) of bookkeeping only.
+            if store.waiting:
+                self._staged_stores[store.job_id] = store
         except Exception as exc:  # e.g. a plug-in eviction policy: skip the rest
             self.faults.failed("store planning", exc)
             store.failed += store.waiting
@@ -160,18 +174,14 @@ class TieredStore(LoadPipeline, StorePipeline):
         load = Load(self._new_job(), {}, time.monotonic(), ready=ready)
         try:
             load.targets = targets_of(requests)
-            keys = list(load.targets)
-            where = self.lookup(keys)
-            on_host = [k for k, w in zip(keys, where) if w is Location.HOST]
-            load.waiting = [k for k, w in zip(keys, where) if w is Location.STORAGE]
-            load.failed = [k for k, w in zip(keys, where) if w is Location.ABSENT]
-            self._copy_to_engine(load, on_host)
-            self.manager.touch(on_host)
-            self._stage(load)
         except Exception as exc:
             self.faults.failed("load planning", exc)
             self._fail_load(load)
-        self._finish_load_if_done(load)
+            self._finish_load_if_done(load)
+            return load.job_id
+        # Planned at the next `poll` (the pump's thread), first thing, so its host keys are
+        # pinned before that poll stages any store: this call is on the engine's step path.
+        self._new_loads.append(load)
         return load.job_id
 
     def abandon_store(self, job_id: int) -> None:
@@ -184,6 +194,7 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     def poll(self) -> list[TieredResult]:
         """Advance every job; return the results finished since the last call. Never raises."""
+        self._guarded("load planning", self._plan_new_loads, None)
         for result in self._guarded("host copy results", self.cpu.poll, []):
             record = self._cpu_jobs.pop(result.job_id, None)
             if record is not None:
@@ -222,7 +233,8 @@ class TieredStore(LoadPipeline, StorePipeline):
         """Wait until every job, write-throughs included, has finished (e.g. before
         shutdown); their results stay queued for `poll`. False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._storage_jobs or self._cpu_jobs or self._staged or self._staged_stores:
+        while self._storage_jobs or self._cpu_jobs or self._staged or self._staged_stores \
+                or self._new_loads:
             finished = self.poll()  # (poll swaps self._done: read it only afterwards)
             self._done.extend(finished)
             if time.monotonic() > deadline:

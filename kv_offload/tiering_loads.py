@@ -23,11 +23,30 @@ from collections.abc import Sequence
 
 from kv_offload.key_view import storage_key
 from kv_offload.tiering_jobs import Load, Read, TieredResult, blocks_of, transfers
-from kv_offload.types import Direction, OffloadKey
+from kv_offload.types import Direction, Location, OffloadKey
 
 
 class LoadPipeline:
     """The load half of `TieredStore`."""
+
+    def _plan_new_loads(self) -> None:
+        """Start the loads submitted since the last poll: host keys are pinned and copied
+        into the engine at once, storage keys are read into host slots (staged)."""
+        loads, self._new_loads = self._new_loads, []
+        for load in loads:
+            try:
+                keys = list(load.targets)
+                where = self.lookup(keys)
+                on_host = [k for k, w in zip(keys, where) if w is Location.HOST]
+                load.waiting = [k for k, w in zip(keys, where) if w is Location.STORAGE]
+                load.failed = [k for k, w in zip(keys, where) if w is Location.ABSENT]
+                self._copy_to_engine(load, on_host)
+                self.manager.touch(on_host)
+                self._stage(load)
+            except Exception as exc:  # this load fails; the others go on
+                self.faults.failed("load planning", exc)
+                self._fail_load(load)
+            self._finish_load_if_done(load)
 
     def _copy_to_engine(self, load: Load, keys: list[OffloadKey]) -> None:
         """Pin ready host keys and copy them into the load's engine blocks."""
@@ -94,7 +113,7 @@ class LoadPipeline:
         bad = [k for k, good in zip(read.keys, succeeded) if not good]
         self.manager.complete_store(bad, False)
         self.manager.complete_store(ok, True)
-        self._key_failures["read"] += len(bad)
+        self._key_failures[Direction.LOAD] += len(bad)
         if read.generation == self._generation:
             self.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
         if read.given_up:  # the load went on without it: its bytes just stay in host slots

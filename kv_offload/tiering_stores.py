@@ -141,7 +141,7 @@ class StorePipeline:
         self.manager.complete_load(list(write.keys))
         if write.generation == self._generation:
             self.view.storage_added([k for k, ok in zip(write.keys, succeeded) if ok])
-        self._key_failures["write"] += list(succeeded).count(False)
+        self._key_failures[Direction.STORE] += list(succeeded).count(False)
         if all(succeeded):
             self.faults.succeeded("storage write")
         else:

@@ -2,7 +2,9 @@
 
 - `OffloadKey`: `(block hash, KV-cache group)`, the name of one block's bytes in every tier.
 - `GroupBlocks`: `{group: (block hashes, engine block ids)}`, pair i is hash i <-> block i:
-  what one store or load moves.
+  what one store or load moves (what the scheduler side plans).
+- `Transfers`: `{group: (engine block ids, host slot ids)}`, pair i is block i <-> slot i:
+  what one copy between engine memory and the host tier moves (what the copy kernels do).
 - `Location`: where a key can be loaded from (host memory, the storage tier, nowhere).
 - `KeyChange` / `KeyChanges`: a key whose location changed, and a bounded batch of them
   (what a worker reports so the scheduler can offer hits).
@@ -15,10 +17,12 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kv_offload.kernels.plan import IdsLike
 from kv_offload.transfer import Direction
 
 OffloadKey = tuple[bytes | int, int]
 GroupBlocks = Mapping[int, tuple[Sequence[bytes | int], Sequence[int]]]
+Transfers = Mapping[int, tuple[IdsLike, IdsLike]]
 
 
 class Location(enum.Enum):
@@ -31,10 +35,13 @@ class Location(enum.Enum):
 
 @dataclass(frozen=True)
 class KeyChange:
-    """`key` can now be loaded from `location` (ABSENT: no longer loadable)."""
+    """`key` can now be loaded from `location` (ABSENT: no longer loadable).
+    `in_storage`: the storage tier holds it too (with `location` HOST: a host key written
+    through; KV events announce both media)."""
 
     key: OffloadKey
     location: Location
+    in_storage: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,4 +53,5 @@ class KeyChanges:
     reset: bool = False
 
 
-__all__ = ["Direction", "GroupBlocks", "KeyChange", "KeyChanges", "Location", "OffloadKey"]
+__all__ = ["Direction", "GroupBlocks", "KeyChange", "KeyChanges", "Location", "OffloadKey",
+           "Transfers"]

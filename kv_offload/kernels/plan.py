@@ -75,8 +75,8 @@ def plan_copy(
                                 f"{len(block_bytes)} groups (0..{len(block_bytes) - 1})")
         if not isinstance(ids, tuple) or len(ids) != 2:
             raise TransferError(f"group {group}: expected (block_ids, slot_ids), got {ids!r}")
-        blocks = _ids(ids[0], "block", group, num_blocks)
-        slots = _ids(ids[1], "slot", group, num_slots)
+        blocks = id_array(ids[0], "block", group, num_blocks)
+        slots = id_array(ids[1], "slot", group, num_slots)
         if blocks.size != slots.size:
             raise TransferError(f"group {group}: {blocks.size} block ids but {slots.size} "
                                 f"slot ids; expected one slot per block")
@@ -104,16 +104,21 @@ def _check_slots_disjoint(groups: list[GroupPlan]) -> None:
                             f"another group in this job")
 
 
-def _ids(values: IdsLike, kind: str, group: int, limit: int) -> np.ndarray:
+def id_array(values: IdsLike, kind: str, group: int, limit: int | None = None, *,
+             copy: bool = False) -> np.ndarray:
+    """Block or slot ids as a 1-D int64 array (the one check of ids, wherever they come
+    in); `limit`: they must be in `[0, limit)`; `copy`: never a view of the caller's."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    array = np.asarray(values)
+    array = np.array(values) if copy else np.asarray(values)
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise TransferError(f"group {group}: {kind} ids must be a 1-D sequence of ints, got "
                             f"dtype {array.dtype} shape {array.shape}")
     array = array.astype(np.int64, copy=False)
+    if limit is None:
+        return array
     bad = (array < 0) | (array >= limit)
     if bad.any():
         raise TransferError(f"group {group}: {kind} id {int(array[bad][0])} is out of range; "

@@ -11,7 +11,7 @@ Contents:
   own cache counters from a `/metrics` scrape (`OffloadCounters`, `ServerMetrics`).
 - `check`: the client-side verification behind `kv-offload serve-check URL` (`run_check`).
 - `record`: the file `serve-check --record` writes and `--replay` reads (`load_record`).
-- `command`: that command's arguments, table and exit code.
+- the command line, `kv-offload serve-check`, lives in `kv_offload.tools.serve_check`.
 
 Nothing here imports vLLM: the client side runs wherever the server can be reached, and
 `server` only starts vLLM in a child process. Submodules are imported on use, so

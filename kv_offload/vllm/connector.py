@@ -27,11 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kv_offload.config import OffloadConfig, parse_config
+from kv_offload.backends import storage_choice
+from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.faults import FaultLog
 from kv_offload.startup_checks import check_startup
+from kv_offload.types import Location
 from kv_offload.vllm import stats as offload_stats
+from kv_offload.vllm.kv_events import make_kv_events
 from kv_offload.vllm.mamba_states import check_mamba_servable
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler_side import OffloadScheduler
@@ -61,7 +64,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         groups = translate_groups(kv_cache_config)
         check_mamba_servable(groups, vllm_config)
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
-        _check_block_size(self.config, hash_block_size)
+        self.config.check_engine_block_size(hash_block_size)
         parallel = vllm_config.parallel_config
         world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         check_startup(self.config, groups, local_ranks=world_size)
@@ -70,8 +73,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_stats = offload_stats.KVOffloadStats()
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_hashes_are_per_process(vllm_config)
-            self._scheduler = OffloadScheduler([g.spec for g in groups], hash_block_size,
-                                               world_size)
+            choice = storage_choice(self.config)
+            self._scheduler = OffloadScheduler(
+                [g.spec for g in groups], hash_block_size, world_size,
+                events=make_kv_events(vllm_config, kv_cache_config, hash_block_size,
+                                      choice.name if choice else None))
             self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)
@@ -93,10 +99,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register(kv_caches, self._groups, self._num_blocks)  # start-up: may raise
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # Runs before every forward: last step's stores must be out of engine memory
-        # before vLLM can reuse their blocks.
-        self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
-                        self._worker.abandon_stores)
+        # Runs before every forward: stores still reading blocks vLLM may reuse in it must
+        # be out of engine memory first (the scheduler side says when; unknown: wait).
+        if getattr(kv_connector_metadata, "wait_for_stores", True):
+            self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
+                            self._worker.abandon_stores)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -186,7 +193,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         def sources() -> dict[CacheHitSource, int]:
             if num_external_tokens == 0:
                 return {}
-            on_host = self._scheduler.source_of(request.request_id) == "host"
+            on_host = self._scheduler.source_of(request.request_id) is Location.HOST
             self._lookup_stats.record_lookup(request.num_tokens, num_external_tokens,
                                              num_external_tokens if on_host else 0,
                                              0 if on_host else num_external_tokens)
@@ -215,6 +222,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, None]:
         return self._finished(request)
 
+    def take_events(self) -> list[Any]:
+        # KV events of our tiers (vLLM publishes them after its own; kv_events.py)
+        if self._scheduler is None:
+            return []
+        return self._contained("take_events", self._scheduler.events.take, [])
+
     def reset_cache(self) -> bool:
         return self._contained("reset_cache", lambda: self._scheduler.reset() or True, False)
 
@@ -225,7 +238,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self._contained(
             "request_finished", lambda: (self._scheduler.request_finished(request.request_id),
                                          None),
-            lambda: (self._scheduler.is_loading(request.request_id), None), (False, None))
+            lambda: (self._scheduler.fence_next_step() or
+                     self._scheduler.is_loading(request.request_id), None), (False, None))
 
     def _contained(self, where: str, call: Callable[[], Any], fallback: Any,
                    last_resort: Any = None) -> Any:
@@ -264,14 +278,6 @@ def _require_recompute_on_failure(transfer_config: Any) -> None:
                        "failed or corrupt load is recomputed, never an error",
                        transfer_config.kv_load_failure_policy)
         transfer_config.kv_load_failure_policy = "recompute"
-
-
-def _check_block_size(config: OffloadConfig, engine_block_size: int) -> None:
-    if config.block_size is not None and config.block_size != engine_block_size:
-        raise ConfigError(
-            f"block_size={config.block_size}: the vLLM connector offloads whole engine "
-            f"blocks of {engine_block_size} tokens; leave block_size unset or set it to "
-            f"{engine_block_size}")
 
 
 def _worker_rank(parallel: Any) -> int:

@@ -26,9 +26,11 @@ there.
 
 When the bytes are valid. An offer made while scheduling a step names a state that step's
 forward writes (or one already written); it stays valid until vLLM reuses the block, which
-is no earlier than the next step. Our stores copy after the forward (`wait_for_save`) and
-the next step's `handle_preemptions` waits for those copies, as for sliding-window blocks,
-so the copy always sees the offered state.
+is no earlier than the next step (align mode writes the next state into the next block, it
+does not overwrite an offered one in place). Our stores copy after the forward
+(`wait_for_save`); the block is fenced like a sliding-window block (`StoreFence`: a Mamba
+group frees blocks of running requests), so a later step that allocates it again, or
+copies into it (vLLM's copy-on-write of partial hits), waits for the copy first.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from typing import Any
 
 from kv_offload.errors import ConfigError
 from kv_offload.specs import KVCacheGroup, KVCacheSpec, MambaSpec
-from kv_offload.vllm.metadata import GroupBlocks
 
 NULL_BLOCK_ID = 0
 
@@ -111,14 +112,15 @@ class BoundaryStateStores:
 
     def plan(self, offers: Iterable[StateOffer], request_of: Callable[[str], Any],
              computed_after_step: Callable[[str], int | None],
-             held: Callable[[bytes, int], bool], stores: GroupBlocks) -> int:
-        """Add the offered states worth storing to `stores`; returns how many were added.
+             held: Callable[[bytes, int], bool],
+             stores: dict[int, tuple[list, list]]) -> list[StateOffer]:
+        """Add the offered states worth storing to `stores`; returns those offers.
 
         `request_of(id)` is vLLM's request (its block hashes) or None when unknown;
         `computed_after_step(id)` the tokens computed once this step's forward ran (None:
         not scheduled, nothing more is computed); `held(hash, group)` whether every rank
         already holds that key. Work is proportional to the offers."""
-        added = 0
+        added: list[StateOffer] = []
         for offer in offers:
             block_size = self._block_size.get(offer.group)
             if block_size is None or offer.block_id == NULL_BLOCK_ID:
@@ -143,5 +145,5 @@ class BoundaryStateStores:
             hashes_out, ids_out = stores.setdefault(offer.group, ([], []))
             hashes_out.append(block_hash)
             ids_out.append(offer.block_id)
-            added += 1
+            added.append(offer)
         return added

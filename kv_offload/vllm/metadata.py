@@ -13,10 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kv_offload.types import KeyChange
-
-# {group: (block hashes, engine block ids)}: pair i moves block_ids[i] <-> hash i.
-GroupBlocks = dict[int, tuple[list[bytes], list[int]]]
+from kv_offload.types import GroupBlocks, KeyChange
 
 
 @dataclass
@@ -33,6 +30,9 @@ class KVOffloadMetadata(KVConnectorMetadata):
     """Drop everything held (vLLM's reset_prefix_cache(reset_connector=True))."""
     step: int = 0
     """Sequence number: workers echo how far their reports reflect these plans."""
+    wait_for_stores: bool = True
+    """Before this step's forward, wait until every store so far is copied out of engine
+    memory: vLLM may reuse a block one of them reads (the scheduler sets it only then)."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Which keys each worker rank holds, as the scheduler side learns from the ranks' reports.
 
 Contents:
-- `RankKeys`: per rank, where it holds each key (host memory or the storage tier); a key is
-  a hit only when every rank holds it (each rank holds its own shard).
+- `RankKeys`: per rank, where it holds each key (host memory, the storage tier, or both); a
+  key is a hit only when every rank holds it (each rank holds its own shard).
+- `HOST_BIT`, `STORAGE_BIT`: the bits of `held_by_all_mask` (KV events: a medium's blocks).
 
 Every method costs what it is asked about: `apply` is O(changes reported), lookups O(ranks).
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 from kv_offload.types import KeyChange, Location, OffloadKey
 
-_HOST, _STORAGE = 1, 2  # location codes held in the maps (absent keys are not held)
+# Location codes held in the maps, one bit per tier (absent keys are not held).
+HOST_BIT, STORAGE_BIT = 1, 2
 _EMPTY: dict = {}  # (never written)
 
 
@@ -49,8 +51,10 @@ class RankKeys:
             location = change.location
             if location is Location.ABSENT:
                 hashes.pop(block_hash, None)
+            elif location is Location.HOST:
+                hashes[block_hash] = HOST_BIT | STORAGE_BIT if change.in_storage else HOST_BIT
             else:
-                hashes[block_hash] = _HOST if location is Location.HOST else _STORAGE
+                hashes[block_hash] = STORAGE_BIT
 
     def group_maps(self, group: int) -> list[dict[bytes, int]]:
         """Every rank's map of `group`, for lookups in bulk (none until every rank has
@@ -65,8 +69,25 @@ class RankKeys:
         codes = [held.get(block_hash) for held in self.group_maps(group)]
         if not codes or None in codes:
             return False
-        return where is None or all(code == (_HOST if where is Location.HOST else _STORAGE)
+        return where is None or all(code & (HOST_BIT if where is Location.HOST else STORAGE_BIT)
                                     for code in codes)
+
+    def held_by_all_mask(self, key: OffloadKey) -> int:
+        """The tiers every rank holds `key` in: `HOST_BIT` | `STORAGE_BIT`, 0 for none
+        (O(ranks))."""
+        block_hash, group = key
+        maps = self.group_maps(group)
+        if not maps:
+            return 0
+        mask = HOST_BIT | STORAGE_BIT
+        for held in maps:
+            mask &= held.get(block_hash, 0)
+        return mask
+
+    def keys_of(self, rank: int) -> list[OffloadKey]:
+        """Every key `rank` holds (O(its keys): for a reset, which drops them all)."""
+        return [(block_hash, group) for group, hashes in self._ranks.get(rank, _EMPTY).items()
+                for block_hash in hashes]
 
     @property
     def num_keys(self) -> int:

@@ -18,7 +18,6 @@ by vLLM soon after), and only the blocks some future hit can load (`StoreFrontie
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import compress
 from math import lcm
@@ -26,10 +25,13 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import Location, OffloadKey
+from kv_offload.types import GroupBlocks, Location
+from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
-from kv_offload.vllm.metadata import GroupBlocks, KVOffloadMetadata, KVOffloadWorkerMetadata
+from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import RankKeys
+from kv_offload.vllm.report_lag import ReportLag
+from kv_offload.vllm.store_fence import StoreFence
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
@@ -62,8 +64,10 @@ class LookupResult:
 class OffloadScheduler:
     """Scheduler-side state of the connector (one per engine)."""
 
-    def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int) -> None:
+    def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int,
+                 events: KVEvents | None = None) -> None:
         self.specs = specs
+        self.events = events or KVEvents()  # KV events for routers (off: does nothing)
         self.hash_block_size = hash_block_size
         self.world_size = world_size
         self.align = lcm(*(spec.block_size for spec in specs))
@@ -84,10 +88,10 @@ class OffloadScheduler:
         # Reports lag the plans by a step; while a request's prefix is being stored, or a
         # reset is under way, its lookup waits for the report (vLLM asks again next step).
         self._step = 0
-        self._reset_step: int | None = None
-        self._reflected_by_rank: dict[int, int] = {}
-        self._unreported: deque[tuple[int, list[OffloadKey]]] = deque()  # (step, keys)
-        self._unreported_keys: dict[OffloadKey, int] = {}  # key -> last step storing it
+        self._lag = ReportLag(world_size)
+        # Blocks stores may still read that vLLM freed: reallocating one makes the next
+        # forward wait for the stores in flight.
+        self._fence = StoreFence(specs)
 
     # --- hits ---
 
@@ -134,13 +138,15 @@ class OffloadScheduler:
         plan: GroupBlocks = {}
         for g, spec in enumerate(self.specs):
             first = local_tokens // spec.block_size  # the engine has the blocks before this
-            hashes, ids = [], []
+            hashes, ids, blocks = [], [], []
             for i in hit.blocks[g]:
                 if i >= first and block_ids[g][i] != NULL_BLOCK_ID:
                     hashes.append(self._hash_of(request, g, i))
                     ids.append(block_ids[g][i])
+                    blocks.append(i)
             if ids:
                 plan[g] = (hashes, ids)
+                self.events.record_blocks(request, g, blocks)
         self._loads[request.request_id] = plan
         self._requests[request.request_id].loading = True
 
@@ -148,7 +154,22 @@ class OffloadScheduler:
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
-        self._track_block_ids(scheduler_output)
+        allocated = self._track_block_ids(scheduler_output)
+        # vLLM's copy-on-write of Mamba partial hits writes its destination block too.
+        allocated.extend(copy.dst_block_id for copy in
+                         getattr(scheduler_output, "kv_cache_block_copies", None) or ())
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted is None:  # (not told which: any store in flight may read a freed block)
+            self._fence.unknown_free()
+        for req_id in preempted or ():
+            self._fence.freed(req_id, self._lag.reflected)
+        for plan in self._loads.values():  # a load writes blocks allocated for it
+            allocated.extend(block_id for _, ids in plan.values() for block_id in ids)
+        # A step without a forward (e.g. the one telling the workers which requests ended)
+        # delays nothing by waiting: the stores in flight settle, so its report and stats
+        # show them even if the engine then goes idle.
+        wait_for_stores = self._fence.must_wait(allocated, self._lag.reflected) or \
+            not scheduler_output.total_num_scheduled_tokens
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         done_by_request: dict[str, int] = {}
@@ -164,30 +185,38 @@ class OffloadScheduler:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
                                  stores=stores, reset=self._reset,
-                                 step=self._step)
+                                 step=self._step, wait_for_stores=wait_for_stores)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
-        if stored:
-            self._unreported.append((self._step, stored))
-            self._unreported_keys.update(dict.fromkeys(stored, self._step))
+        self._lag.planned_stores(self._step, stored)
         self._loads, self._failed_loads, self._reset = {}, [], False
         self._step += 1
         return meta
 
-    def _track_block_ids(self, scheduler_output: Any) -> None:
+    def _track_block_ids(self, scheduler_output: Any) -> list[int]:
+        """Follow the block tables of scheduled requests; returns the block ids that vLLM
+        gave them in this step (a new or resumed request's whole table)."""
+        allocated: list[int] = []
         for new in scheduler_output.scheduled_new_reqs:
+            for ids in new.block_ids:
+                allocated.extend(ids)
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_ids is None:
+                continue
+            for ids in new_ids:
+                allocated.extend(ids)
             state = self._requests.get(req_id)
-            if state is None or new_ids is None:
+            if state is None:
                 continue
             if req_id in cached.resumed_req_ids:
                 state.block_ids = [list(ids) for ids in new_ids]
             else:
                 for group_ids, more in zip(state.block_ids, new_ids):
                     group_ids.extend(more)
+        return allocated
 
     def _plan_state_stores(self, scheduler_output: Any, done_by_request: dict[str, int],
                            stores: GroupBlocks) -> None:
@@ -196,9 +225,14 @@ class OffloadScheduler:
             state = self._requests.get(req_id)
             return None if state is None or state.stores_off else state.request
 
-        self._states.plan(offers_of(scheduler_output), request_of, done_by_request.get,
-                          lambda block_hash, g: self._keys.held_by_all((block_hash, g)),
-                          stores)
+        added = self._states.plan(
+            offers_of(scheduler_output), request_of, done_by_request.get,
+            lambda block_hash, g: self._keys.held_by_all((block_hash, g)), stores)
+        for offer in added:  # vLLM frees and reuses state blocks while requests run
+            self._fence.stored(self._step, offer.request_id, offer.group, [offer.block_id],
+                               self._lag.reflected)
+            self.events.record_blocks(self._requests[offer.request_id].request, offer.group,
+                                      [offer.tokens // self.specs[offer.group].block_size - 1])
 
     def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
         """Add the blocks of this request that became worth storing (linear over the
@@ -239,10 +273,14 @@ class OffloadScheduler:
             if not all(keep):
                 step_hashes = list(compress(step_hashes, keep))
                 step_ids = list(compress(step_ids, keep))
+                new = list(compress(new, keep))
             if step_ids:
+                self._fence.stored(self._step, request.request_id, g, step_ids,
+                                   self._lag.reflected)
                 hashes_out, ids_out = stores.setdefault(g, ([], []))
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
+                self.events.record_blocks(request, g, new)
         state.next_store_tokens = min(
             (frontier.next_hit_point * spec.block_size
              for g, (frontier, spec) in enumerate(zip(state.frontiers, self.specs))
@@ -255,17 +293,16 @@ class OffloadScheduler:
         if meta is None:
             return
         for rank, report in meta.reports.items():
-            self._reflected_by_rank[rank] = report.reflected_step
-            self._keys.apply(rank, report.changes, report.reset)
-        self._forget_reported()
+            self._lag.reported(rank, report.reflected_step)
+        self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
 
-    def source_of(self, request_id: str) -> str:
-        """'host' when every block of the request's planned load is in every rank's host
-        memory, else 'disk' (some of it is read from the storage tier first)."""
+    def source_of(self, request_id: str) -> Location:
+        """HOST when every block of the request's planned load is in every rank's host
+        memory, else STORAGE (some of it is read from the storage tier first)."""
         plan = self._loads.get(request_id, {})
         on_host = all(self._keys.held_by_all((block_hash, g), Location.HOST)
                       for g, (hashes, _) in plan.items() for block_hash in hashes)
-        return "host" if on_host else "disk"
+        return Location.HOST if on_host else Location.STORAGE
 
     def loads_finished(self, finished: set[str], failed: set[str]) -> None:
         for req_id in finished:
@@ -282,16 +319,22 @@ class OffloadScheduler:
         they are freed when the load reports back)."""
         state = self._requests.get(request_id)
         self._pending_hits.pop(request_id, None)
+        self._fence.freed(request_id, self._lag.reflected)
         if state is not None and state.loading:
             state.finished = True
             return True
         self._requests.pop(request_id, None)
         return False
 
+    def fence_next_step(self) -> None:
+        """Some request's blocks were freed and we could not tell which (a recovery path):
+        the next forward waits for every store still copying out of engine memory."""
+        self._fence.unknown_free()
+
     def reset(self) -> None:
         """Drop the host tier on every rank with the next step; lookups wait until done."""
         self._reset = True
-        self._reset_step = self._step  # the step whose plans will carry it
+        self._lag.reset_step = self._step  # the step whose plans will carry it
 
     @property
     def num_keys(self) -> int:
@@ -340,10 +383,12 @@ class OffloadScheduler:
         yet reported by every rank. The request's hashes are scanned once per wait (the
         step it waits for is remembered), so a waiting request costs O(1) per step; the
         wait is bounded by `MAX_REPORT_WAIT_S`."""
-        reflected = self._reflected()
-        if self._reset_step is None and state.wait_until_step <= reflected:
-            state.wait_until_step = self._last_unreported_store(request)
-        waiting = self._reset_step is not None or state.wait_until_step > reflected
+        lag = self._lag
+        reflected = lag.reflected
+        if lag.reset_step is None and state.wait_until_step <= reflected:
+            state.wait_until_step = lag.last_unreported_store(request, self.specs,
+                                                              self.hash_block_size)
+        waiting = lag.reset_step is not None or state.wait_until_step > reflected
         if not waiting:
             state.waiting_since = None
             return False
@@ -351,33 +396,6 @@ class OffloadScheduler:
         if state.waiting_since is None:
             state.waiting_since = now
         return now - state.waiting_since < MAX_REPORT_WAIT_S
-
-    def _last_unreported_store(self, request: Any) -> int:
-        if not self._unreported_keys:
-            return -1
-        last = -1
-        hashes = request.block_hashes
-        for g, spec in enumerate(self.specs):
-            per_block = spec.block_size // self.hash_block_size
-            for index in range(per_block - 1, len(hashes), per_block):
-                last = max(last, self._unreported_keys.get((hashes[index], g), -1))
-        return last
-
-    def _reflected(self) -> int:
-        """The last step every rank's reports reflect."""
-        if len(self._reflected_by_rank) < self.world_size:
-            return -1
-        return min(self._reflected_by_rank.values())
-
-    def _forget_reported(self) -> None:
-        reflected = self._reflected()
-        if self._reset_step is not None and self._reset_step <= reflected:
-            self._reset_step = None
-        while self._unreported and self._unreported[0][0] <= reflected:
-            step, keys = self._unreported.popleft()
-            for key in keys:
-                if self._unreported_keys.get(key) == step:
-                    del self._unreported_keys[key]
 
     def _hash_of(self, request: Any, group: int, block: int) -> bytes:
         per_block = self.specs[group].block_size // self.hash_block_size

@@ -13,11 +13,19 @@ request), a store that cannot run is skipped, the fault is counted in the metric
 once per episode. Every load is reported to vLLM exactly once: the job registry hands a
 result over only while the job is registered.
 
+The engine's thread only records what to do (and, on a GPU, an event on its stream); the
+pump thread stages the copies and drains results, and it does so while a forward runs: it
+leaves the engine's thread the lock and Python's GIL between a forward's end
+(`start_stores`) and the next forward's start (`start_loads`), when vLLM schedules, for at
+most `_YIELD_TO_ENGINE_S`.
+
 Engine memory is only read by stores and written by loads:
-- a store copies blocks the step's forward completed; vLLM may free them right after the
-  step (a finished request, a sliding window moving on), so `wait_for_engine_copies` runs
-  before the next forward. If a copy is not out by `copy_timeout_s` (a stuck thread), the
-  engine goes on and the store is abandoned: whatever it copied is discarded, never served;
+- a store copies blocks the step's forward completed, during the next forward. vLLM may
+  free such a block (a finished or preempted request, a sliding window moving on) and hand
+  it out again: when the scheduler side sees that happen (`StoreFence`), the metadata says
+  `wait_for_stores` and `wait_for_engine_copies` runs before that forward. If a copy is
+  not out by `copy_timeout_s` (a stuck thread), the engine goes on and the store is
+  abandoned: whatever it copied is discarded, never served;
 - a load fills blocks of a request that waits for it (vLLM does not run it, and keeps the
   blocks of an aborted one until the load reports back).
 """
@@ -32,26 +40,36 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_offload.affinity import spread_threads
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
-from kv_offload.types import Direction
-from kv_offload.vllm.metadata import GroupBlocks, KVOffloadWorkerMetadata, RankReport
+from kv_offload.types import Direction, GroupBlocks, KeyChange
+from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport
 from kv_offload.vllm.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
 
 REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (inventories too)
+# Key changes moved into the next report per pump round / per `report` call: small batches
+# keep each hold of the lock (and of Python's GIL) short, so the engine's calls never wait
+# long for the pump.
+_TAKE_PER_ROUND = 512
 _PUMP_INTERVAL_S = 0.002
+# After a forward the engine thread schedules the next step (Python, under the GIL); the
+# pump leaves it the lock and the GIL until the next forward starts, or this long at most
+# (an idle engine takes no step: write-through must still go on).
+_YIELD_TO_ENGINE_S = 0.02
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
 
 
 @dataclass
 class _Job:
     request_id: str | None  # loads: the request; stores: None
+    step: int  # the plan step that submitted it
     started: float
     num_blocks: int
     num_bytes: int
@@ -77,14 +95,20 @@ class OffloadWorker:
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
         self.faults = FaultLog(f"kv-offload rank {rank}")
-        self._reflected_step = -1
+        self._step = -1  # the plan step under way
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._outcomes: list[_Outcome] = []
         self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVOffloadStats()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # new work for the pump
+        self._forward_ended: float | None = None  # the engine is between two forwards
         self._pump: threading.Thread | None = None
+        # Key changes the pump took from the store ahead of the next report, so `report`
+        # on the engine's step path only hands them over (bounded by REPORT_MAX_KEYS).
+        self._report_changes: list[KeyChange] = []
+        self._report_reset = False
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
                  num_blocks: int) -> None:
@@ -92,10 +116,11 @@ class OffloadWorker:
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
-        self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
-        self._pump = threading.Thread(target=self._run_pump, daemon=True,
-                                      name=f"kv-offload-pump-{self.rank}")
-        self._pump.start()
+        with spread_threads():  # our threads: off the cores vLLM pinned the forward to
+            self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
+            self._pump = threading.Thread(target=self._run_pump, daemon=True,
+                                          name=f"kv-offload-pump-{self.rank}")
+            self._pump.start()
 
     # --- per step, in vLLM's order ---
 
@@ -120,15 +145,20 @@ class OffloadWorker:
                 self._lock.wait(timeout=min(_COPY_POLL_S, left))
         self.faults.succeeded("engine copy")
 
+    def _reflected_step(self) -> int:
+        """Lock held: the last plan step whose stores have all been copied out of engine
+        memory, so their keys show in the changes taken so far. O(stores in flight)."""
+        in_flight = [job.step for job in self._jobs.values() if job.request_id is None]
+        return min(in_flight) - 1 if in_flight else self._step
+
     def _stragglers(self) -> list[int]:
         """Lock held: stores whose copy out of engine memory may still run."""
         return [job_id for job_id, job in self._jobs.items()
                 if job.request_id is None and not job.abandoned]
 
     def begin_step(self, step: int) -> None:
-        """A new step's plans arrived: the previous step's stores have been copied
-        (`wait_for_engine_copies` ran before this step), so reports reflect them."""
-        self._reflected_step = step - 1
+        """A new step's plans arrived."""
+        self._step = step
 
     def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = ()
                     ) -> None:
@@ -137,7 +167,7 @@ class OffloadWorker:
             self._failed_now.update(failed)
             # GPU: one event on the engine's stream orders every copy of these loads after
             # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
-            ready = self.store.cpu.engine_ready() if loads else None
+            ready = self.store.engine_ready() if loads else None
             for request_id, blocks in loads.items():
                 try:
                     job_id = self.store.submit_load(blocks, ready)
@@ -146,6 +176,8 @@ class OffloadWorker:
                     self.faults.failed("load submit", exc)
                     self._failed_now.add(request_id)
             self._lock.notify_all()
+        self._forward_ended = None  # the forward starts: the pump's turn
+        self._wake.set()
 
     def fail_loads(self, request_ids: Collection[str]) -> None:
         """Report these loads failed at the next `finished_loads` without starting them
@@ -154,13 +186,16 @@ class OffloadWorker:
             self._failed_now.update(request_ids)
 
     def start_stores(self, stores: GroupBlocks) -> None:
+        """Copy out the blocks this step's forward completed (the pump stages them, in the
+        next forward: the engine is now scheduling the next step)."""
+        self._forward_ended = time.monotonic()
         if not stores:
             return
         try:
             with self._lock:
                 # GPU: our copy stream waits on an event recorded on the engine's stream
                 # after the forward that wrote these blocks; the CPU does not wait.
-                job_id = self.store.submit_store(stores, self.store.cpu.engine_ready())
+                job_id = self.store.submit_store(stores, self.store.engine_ready())
                 self._jobs[job_id] = self._job(None, stores)
                 self._lock.notify_all()
         except Exception as exc:
@@ -196,23 +231,24 @@ class OffloadWorker:
         `REPORT_MAX_KEYS`; an inventory found at start-up streams over several steps)."""
         with self._lock:
             try:
-                changes = self.store.take_changes(REPORT_MAX_KEYS)
-            except Exception as exc:  # report nothing new; the keys stay pending
+                self._take_changes()  # (what arrived since the pump's last round: a few)
+            except Exception as exc:  # report what was taken; the rest stays pending
                 self.faults.failed("report", exc)
-                changes = None
-        report = RankReport(changes.changes if changes else (), bool(changes and changes.reset),
-                            self._reflected_step)
+            reflected = self._reflected_step()
+            changes, self._report_changes = tuple(self._report_changes), []
+            reset, self._report_reset = self._report_reset, False
+        report = RankReport(changes, reset, reflected)
         return KVOffloadWorkerMetadata({self.rank: report})
 
     def take_stats(self) -> KVOffloadStats | None:
         with self._lock:
             usage = self.store.usage()
-            tier_faults = self.store.faults.take_counts()
+            tier_faults = self.store.take_fault_counts()
             key_failures = self.store.take_key_failures()
         faults = self.faults.take_counts()
         self._stats.record_faults(worker=sum(faults.values()) + sum(tier_faults.values()))
-        self._stats.record_storage_failures(key_failures.get("read", 0),
-                                            key_failures.get("write", 0))
+        self._stats.record_storage_failures(key_failures.get(Direction.LOAD, 0),
+                                            key_failures.get(Direction.STORE, 0))
         self._stats.set_usage(usage.host_bytes_used, usage.host_bytes_total,
                               usage.storage.bytes_used, usage.storage.bytes_budget,
                               rank=self.rank)
@@ -232,6 +268,7 @@ class OffloadWorker:
         if self.store is None:
             return
         self._stop.set()
+        self._wake.set()
         if self._pump is not None:
             self._pump.join()
         with self._lock:
@@ -250,7 +287,7 @@ class OffloadWorker:
         num_blocks = sum(len(ids) for _, ids in blocks.values())
         num_bytes = sum(len(ids) * self.canonical.data_bytes_per_block(g)
                         for g, (_, ids) in blocks.items())
-        return _Job(request_id, time.monotonic(), num_blocks, num_bytes)
+        return _Job(request_id, self._step, time.monotonic(), num_blocks, num_bytes)
 
     def abandon_stores(self) -> None:
         """The engine goes on without waiting for the stores in flight (e.g. the wait
@@ -280,9 +317,17 @@ class OffloadWorker:
         """Advance the store until shutdown. Nothing can end this loop but `_stop`: a fault
         in one round is contained and the next round runs."""
         while not self._stop.is_set():
+            self._wake.wait(_PUMP_INTERVAL_S)
+            self._wake.clear()
+            ended = self._forward_ended
+            if ended is not None and time.monotonic() - ended < _YIELD_TO_ENGINE_S:
+                continue  # the engine is scheduling its next step: leave it the CPU
             with self._lock:
                 self._pump_once()
-            time.sleep(_PUMP_INTERVAL_S)
+                try:
+                    self._take_changes()
+                except Exception as exc:
+                    self.faults.failed("report", exc)
 
     def _pump_once(self) -> None:
         """Lock held: one round of advancing the store (a fault is contained)."""
@@ -291,3 +336,13 @@ class OffloadWorker:
             self.faults.succeeded("pump")
         except Exception as exc:
             self.faults.failed("pump", exc)
+
+    def _take_changes(self) -> None:
+        """Lock held: move key changes from the store into the next report (bounded)."""
+        room = min(_TAKE_PER_ROUND, REPORT_MAX_KEYS - len(self._report_changes))
+        if room <= 0:
+            return
+        batch = self.store.take_changes(room)
+        if batch.reset:  # what was taken before the reset is moot
+            self._report_changes, self._report_reset = [], True
+        self._report_changes.extend(batch.changes)

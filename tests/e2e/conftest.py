@@ -29,7 +29,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Model directories built once per session: {"llama": path, "gemma3": path}."""
     if VLLM_MISSING:
         pytest.skip(SKIP_REASON)
-    from model_factory import build_gemma3, build_llama
+    from kv_offload.testing.tiny_models import build_gemma3, build_llama
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {"llama": build_llama(root / "llama"), "gemma3": build_gemma3(root / "gemma3")}

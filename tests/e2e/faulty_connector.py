@@ -18,7 +18,7 @@ from kv_offload.vllm import KVOffloadConnector
 
 EVERY = int(os.environ.get("KV_OFFLOAD_FAULT_EVERY", "3"))
 RECOVERY = {"abandon_stores", "abandon_store", "fail_load", "fail_loads", "fallback_meta",
-            "is_loading", "take_key_failures", "usage", "shutdown"}
+            "is_loading", "take_key_failures", "take_fault_counts", "usage", "shutdown"}
 INJECTED = Counter()  # method -> faults raised (read back through the log line)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from engine_harness import cacheable_prefix
 
-from kv_offload.demo import _pass_results
+from kv_offload.tools.demo import _pass_results
 
 NUM_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 2, 200, 3
 
@@ -28,14 +28,16 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run_demo(cache_dir: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
     out = tmp_path / "demo.json"
-    cmd = [sys.executable, "-m", "kv_offload.cli", "demo", "--model-size", "tiny",
+    cmd = [sys.executable, "-m", "kv_offload.tools.cli", "demo", "--model-size", "tiny",
            "--prompts", str(NUM_PROMPTS), "--prompt-tokens", str(PROMPT_TOKENS),
            "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache_dir),
            "--work-dir", str(tmp_path / "work"), "--json", str(out), *extra]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "same output" in proc.stdout  # the table was printed
-    return json.loads(out.read_text())
+    document = json.loads(out.read_text())
+    assert document["command"] == "demo" and document["results"]["mismatches"] == 0
+    return document["results"]
 
 
 def _check_common(result: dict[str, Any]) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 from engine_harness import run_engine, token_ids
-from model_factory import build_granite_hybrid, build_qwen3_next
-from vocab import word_prompt
+
+from kv_offload.testing.tiny_models import build_granite_hybrid, build_qwen3_next
+from kv_offload.testing.tiny_vocab import word_prompt
 
 pytestmark = pytest.mark.e2e
 

@@ -32,11 +32,11 @@ from typing import Any
 import pytest
 from disk_tamper import give_other_blocks_bytes
 from engine_harness import cacheable_prefix
-from vocab import word_prompt
 
 from kv_offload.serving.client import Completion, ResetResult, ServingClient, compare_outputs
 from kv_offload.serving.metrics import OffloadCounters, ServerMetrics
 from kv_offload.serving.server import ServerSettings, ShutdownReport, VllmServer
+from kv_offload.testing.tiny_vocab import word_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -100,10 +100,10 @@ def complete_all(client: ServingClient) -> list[Completion]:
 def serve_check(url: str, work: Path, name: str, *args: str) -> CliRun:
     out = work / f"{name}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kv_offload.cli", "serve-check", url, "--json", str(out),
+        [sys.executable, "-m", "kv_offload.tools.cli", "serve-check", url, "--json", str(out),
          "--timeout-s", "60", *args],
         cwd=work, capture_output=True, text=True, timeout=180)
-    report = json.loads(out.read_text()) if out.exists() else {}
+    report = json.loads(out.read_text())["results"] if out.exists() else {}
     return CliRun(proc.returncode, proc.stdout + proc.stderr, report)
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 from engine_harness import cacheable_prefix, run_engine, token_ids
-from vocab import word_prompt
+
+from kv_offload.testing.tiny_vocab import word_prompt
 
 pytestmark = pytest.mark.e2e
 

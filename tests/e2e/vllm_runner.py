@@ -2,9 +2,10 @@
 
 Usage: python vllm_runner.py SPEC.json
 The spec names a model directory, prompts, engine settings and a list of passes; every pass
-sends all prompts (greedy), or its own `prompts` (optionally one at a time), and may first
-reset vLLM's own prefix cache. The last stdout line starting with RESULT_MARKER carries the
-results, so vLLM's logging cannot corrupt them.
+sends all prompts, or its own `prompts` (greedy; `one_at_a_time`: batches of one), and may
+first reset vLLM's own prefix cache. The last stdout line starting with RESULT_MARKER carries
+the results, so vLLM's logging cannot corrupt them. `linger_s`: seconds to wait before
+returning (event publishers drain).
 Kept separate from pytest so engine processes, threads and env settings never leak into it.
 """
 
@@ -34,6 +35,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     engine_args = {**DEFAULT_ENGINE_ARGS, **spec.get("engine_args", {})}
+    if isinstance(engine_args.get("kv_events_config"), dict):  # (LLM takes only the object)
+        from vllm.config import KVEventsConfig
+
+        engine_args["kv_events_config"] = KVEventsConfig(**engine_args["kv_events_config"])
     started = time.perf_counter()
     llm = LLM(model=spec["model"], **engine_args)
     engine_start_s = time.perf_counter() - started
@@ -59,6 +64,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "requests": [
                     {
                         "prompt_len": len(out.prompt_token_ids),
+                        "prompt_token_ids": list(out.prompt_token_ids),
                         "num_cached_tokens": out.num_cached_tokens,
                         "token_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text,
@@ -72,6 +78,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 ],
             }
         )
+    time.sleep(spec.get("linger_s", 0))  # (lets vLLM's event publisher thread send its queue)
     result = {"engine_start_s": engine_start_s, "passes": passes}
     if spec.get("metrics_prefix"):  # needs engine_args {"disable_log_stats": False}
         result["metrics"] = [

@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from kv_offload import bench
 from kv_offload.backends.cpu import CpuBackend
-from kv_offload.cli import main
+from kv_offload.tools import bench, bench_cpu
+from kv_offload.tools.cli import main
 
-FIELDS = {"store_gbps", "load_gbps", "baseline_gbps", "store_ratio", "load_ratio",
-          "mismatches", "page_bytes", "blocks"}
+FIELDS = {"store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps",
+          "store_ratio", "load_ratio", "mismatches", "failed_keys", "page_bytes", "blocks"}
 
 
 @pytest.mark.parametrize("extra, page_bytes", [
@@ -27,11 +27,14 @@ def test_bench_runs_and_writes_json(tmp_path, capsys, extra, page_bytes):
     code = main(["bench", "--backend", "cpu", *extra, "--batch-mib", "1", "--repeats", "2",
                  "--json", str(out)])
     assert code == 0
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["results"]
     assert set(result) >= FIELDS
     assert result["mismatches"] == 0 and result["page_bytes"] == page_bytes
     assert result["blocks"] >= 4 and result["store_gbps"] > 0 and result["load_gbps"] > 0
-    assert result["store_ratio"] == pytest.approx(result["store_gbps"] / result["baseline_gbps"])
+    assert result["store_ratio"] == pytest.approx(result["store_gbps"]
+                                                  / result["baseline_store_gbps"])
+    assert result["store_gbps"] == max(result["samples"]["store_gbps"])  # the best of 2
+    assert len(result["samples"]["load_gbps"]) == 2
     table = capsys.readouterr().out
     assert "store" in table and "load" in table and "baseline" in table
 
@@ -48,19 +51,21 @@ def test_byte_check_counts_misplaced_bytes():
     parser = argparse.ArgumentParser()
     bench.add_bench_arguments(parser)
     args = parser.parse_args(["--page-kib", "4", "--batch-mib", "1"])
-    model, canonical, per_group = bench.build_model(args)
-    bench.fill_pattern(model.buffer)
+    model, canonical, per_group = bench_cpu.build_model(args)
+    bench_cpu.fill_pattern(model.buffer)
     rng = np.random.default_rng(0)
     blocks = rng.permutation(model.num_blocks)[:per_group]
     stores = {0: (blocks, np.arange(per_group))}
     loads = {0: (rng.permutation(model.num_blocks)[:per_group], np.arange(per_group))}
+    failed = bench_cpu.FailedBlocks()
     with CpuBackend(canonical, per_group * canonical.slot_bytes_per_block(0)) as good:
-        assert bench._verify(good, canonical, model, stores, loads) == 0
-    bench.fill_pattern(model.buffer)
+        assert bench_cpu._verify(good, canonical, model, stores, loads, failed) == 0
+    bench_cpu.fill_pattern(model.buffer)
     with _MisreportingBackend(canonical, per_group * canonical.slot_bytes_per_block(0)) as bad:
-        assert bench._verify(bad, canonical, model, stores, loads) > 0
+        assert bench_cpu._verify(bad, canonical, model, stores, loads, failed) > 0
+    assert failed.count == 0
 
 
 def test_bad_synthetic_sizes_are_refused():
     with pytest.raises(ValueError, match="must be positive"):
-        bench.synthetic_model(0, 1, 4, "LBNHC")
+        bench_cpu.synthetic_model(0, 1, 4, "LBNHC")

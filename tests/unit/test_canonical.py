@@ -15,14 +15,14 @@ from kv_offload import (
     SlidingWindowSpec,
     canonicalize,
 )
-from kv_offload.engine_alloc import (
+from kv_offload.testing.engine_alloc import (
     LAYOUTS,
     allocate_kv_caches,
     legacy_mamba_states,
     legacy_split_kv,
     uniform_group,
 )
-from kv_offload.example_models import build_example, group_layers
+from kv_offload.testing.example_models import build_example, group_layers
 
 ATTN = dict(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
 

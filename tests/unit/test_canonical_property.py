@@ -15,7 +15,7 @@ from kv_offload import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from kv_offload.engine_alloc import LAYOUTS, allocate_kv_caches
+from kv_offload.testing.engine_alloc import LAYOUTS, allocate_kv_caches
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -72,9 +72,10 @@ def test_custom_policy_path_is_accepted():
         .eviction_policy == "my.mod:Policy"
 
 
-def test_block_size_must_be_a_multiple_of_the_engine_block():
+def test_block_size_is_the_engine_block_size_or_refused_naming_the_fix():
     config = parse_config({"cpu_bytes_to_use": 1, "block_size": 96})
-    assert config.check_engine_block_size(32) == 96
-    with pytest.raises(ConfigError, match="multiple of the engine block size 64"):
-        config.check_engine_block_size(64)
+    with pytest.raises(ConfigError, match="leave block_size unset or set it to 32"):
+        config.check_engine_block_size(32)
+    assert parse_config({"cpu_bytes_to_use": 1, "block_size": 32}) \
+        .check_engine_block_size(32) == 32
     assert parse_config({"cpu_bytes_to_use": 1}).check_engine_block_size(16) == 16

@@ -14,7 +14,7 @@ from test_kernels import engine_page, randomize, reference_load, reference_store
 from kv_offload import canonicalize
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.errors import ConfigError, TierClosedError, TransferError
-from kv_offload.example_models import build_example
+from kv_offload.testing.example_models import build_example
 from kv_offload.transfer import Direction
 
 WAIT_S = 60  # generous: only reached if a worker hangs

@@ -15,7 +15,6 @@ from test_kernels import randomize, reference_store
 
 from kv_offload import canonicalize
 from kv_offload.errors import CudaCallError, TransferError
-from kv_offload.example_models import build_example
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda_calls import (
     DMA_MAX_CALLS,
@@ -25,6 +24,7 @@ from kv_offload.kernels.cuda_calls import (
     choose_path,
 )
 from kv_offload.kernels.runtime import DEFAULT_MAX_PITCH, MemcpyAttributes
+from kv_offload.testing.example_models import build_example
 
 KiB, MiB = 1 << 10, 1 << 20
 

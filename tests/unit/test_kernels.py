@@ -16,17 +16,17 @@ from kv_offload import (
     SlidingWindowSpec,
     canonicalize,
 )
-from kv_offload.engine_alloc import (
+from kv_offload.errors import TransferError
+from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout, copy_blocks
+from kv_offload.kernels.cpu import CpuCopier, Op, _shares
+from kv_offload.kernels.plan import argsort_ids
+from kv_offload.testing.engine_alloc import (
     LAYOUTS,
     allocate_kv_caches,
     legacy_mamba_states,
     legacy_split_kv,
 )
-from kv_offload.errors import TransferError
-from kv_offload.example_models import EXAMPLE_MODELS, build_example
-from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout, copy_blocks
-from kv_offload.kernels.cpu import CpuCopier, Op, _shares
-from kv_offload.kernels.plan import argsort_ids
+from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
 
 STRATEGIES = ["runs", "gather", "scatter", "staged"]
 

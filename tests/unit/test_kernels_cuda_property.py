@@ -21,8 +21,8 @@ from kv_offload import (
     SlidingWindowSpec,
     canonicalize,
 )
-from kv_offload.engine_alloc import LAYOUTS, allocate_kv_caches
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
+from kv_offload.testing.engine_alloc import LAYOUTS, allocate_kv_caches
 
 PATHS = [None, "dma", "batch", "kernel"]  # None: the CPU path
 DTYPES = [torch.int8, torch.float16, torch.bfloat16, torch.float32]

@@ -34,6 +34,9 @@ def test_take_reports_each_change_of_location_once_and_locations_are_current(ops
     def where(key):
         return HOST if key in host else STORAGE if key in storage else ABSENT
 
+    def state(key):  # what a report says: the location, and a host key's storage copy
+        return where(key), key in host and key in storage
+
     for op, arg in [*ops, ("take", len(KEYS))]:
         if op == "take":
             batch = view.take(arg)
@@ -42,11 +45,12 @@ def test_take_reports_each_change_of_location_once_and_locations_are_current(ops
             assert len(batch.changes) <= arg
             assert len({change.key for change in batch.changes}) == len(batch.changes)
             for change in batch.changes:
-                assert change.location is where(change.key)
-                assert reported.get(change.key, ABSENT) is not change.location
-                reported[change.key] = change.location
+                told = (change.location, change.in_storage)
+                assert told == state(change.key)
+                assert reported.get(change.key, (ABSENT, False)) != told
+                reported[change.key] = told
             if arg >= len(KEYS):  # room for everything: the reader is up to date
-                assert all(reported.get(key, ABSENT) is where(key) for key in KEYS)
+                assert all(reported.get(key, (ABSENT, False)) == state(key) for key in KEYS)
         elif op == "reset":
             view.reset()
             host.clear()

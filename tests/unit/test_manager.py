@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kv_offload.errors import ConfigError, EvictionPolicyError, OffloadStateError
-from kv_offload.manager import KeyState, OffloadEvent, OffloadManager, StorePlan
+from kv_offload.manager import OffloadEvent, OffloadManager, SlotState, StorePlan
 from kv_offload.policies import EvictionPolicy, LRUPolicy
 
-ABSENT, STORING, READY = KeyState.ABSENT, KeyState.STORING, KeyState.READY
+ABSENT, STORING, READY = SlotState.ABSENT, SlotState.STORING, SlotState.READY
 
 
 def k(name: str, group: int = 0) -> tuple[bytes, int]:

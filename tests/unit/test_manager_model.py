@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kv_offload.errors import OffloadStateError
-from kv_offload.manager import KeyState, OffloadManager
+from kv_offload.manager import OffloadManager, SlotState
 
 OPS_PER_RUN = 55_000  # two runs: > 100k operations in all
 
@@ -122,11 +122,11 @@ class RefTier:
     policy: object
     entries: dict = field(default_factory=dict)
 
-    def state(self, key) -> KeyState:
+    def state(self, key) -> SlotState:
         e = self.entries.get(key)
         if e is None or e.dropped:
-            return KeyState.ABSENT
-        return KeyState.READY if e.ready else KeyState.STORING
+            return SlotState.ABSENT
+        return SlotState.READY if e.ready else SlotState.STORING
 
     def evictable(self, key) -> bool:
         e = self.entries.get(key)
@@ -233,7 +233,7 @@ class Harness:
             for key in keys:
                 del self.stores[key]
         elif op == "load":
-            ready = [k for k in self.keys if ref.state(k) is KeyState.READY]
+            ready = [k for k in self.keys if ref.state(k) is SlotState.READY]
             if ready:
                 keys = rng.sample(ready, rng.randint(1, min(3, len(ready))))
                 slots = m.prepare_load(keys)
@@ -251,10 +251,10 @@ class Harness:
             keys = self.pick(rng.randint(1, 3))
             m.touch(keys)
             for key in keys:
-                if ref.state(key) is KeyState.READY:
+                if ref.state(key) is SlotState.READY:
                     ref.policy.touched(key)
         elif op == "bad_load":
-            absent = [k for k in self.keys if ref.state(k) is not KeyState.READY]
+            absent = [k for k in self.keys if ref.state(k) is not SlotState.READY]
             if absent:
                 with pytest.raises(OffloadStateError):
                     m.prepare_load([rng.choice(absent)])
@@ -267,12 +267,12 @@ class Harness:
         m, ref = self.manager, self.ref
         assert m.lookup(self.keys) == [ref.state(k) for k in self.keys]
         assert [m.is_ready(k) for k in self.keys] == [
-            ref.state(k) is KeyState.READY for k in self.keys]
+            ref.state(k) is SlotState.READY for k in self.keys]
         held = self.held_slots()
         assert len(held) + m.num_free_slots == self.capacity
         assert len(ref.entries) == len(held)
         for key, slot in self.loads:  # a pinned key still has its slot while visible
-            if ref.state(key) is KeyState.READY:
+            if ref.state(key) is SlotState.READY:
                 assert m.slot_of(key) == slot
         assert ref.policy.snapshot(m.policy)
 

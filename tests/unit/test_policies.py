@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kv_offload.errors import EvictionPolicyError
-from kv_offload.manager import KeyState, OffloadManager
+from kv_offload.manager import OffloadManager, SlotState
 from kv_offload.policies import ARCPolicy, LRUPolicy, make_policy
 
 
@@ -72,7 +72,7 @@ class PaperARC:
 
 def request(manager: OffloadManager, key) -> bool:
     """What a connector does per block: a hit is touched, a miss is stored."""
-    if manager.lookup([key]) == [KeyState.READY]:
+    if manager.lookup([key]) == [SlotState.READY]:
         manager.touch([key])
         return True
     plan = manager.prepare_store([key])
@@ -111,7 +111,7 @@ def test_arc_matches_the_paper_one_request_at_a_time(capacity):
         state = (list(policy.t1), list(policy.t2), list(policy.b1), list(policy.b2), policy.p)
         assert state == (paper.t1, paper.t2, paper.b1, paper.b2, paper.p), step
         resident = {k for k in paper.t1 + paper.t2}
-        assert {k for k in resident if manager.lookup([k]) == [KeyState.READY]} == resident
+        assert {k for k in resident if manager.lookup([k]) == [SlotState.READY]} == resident
         assert len(manager) == len(resident)
 
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kv_offload.cli import main
 from kv_offload.errors import ServeCheckInputError
 from kv_offload.serving.client import Completion
 from kv_offload.serving.record import RECORD_FORMAT, RECORD_VERSION, load_record
 from kv_offload.serving.server import free_loopback_port
+from kv_offload.tools.cli import main
 
 OUTPUT = Completion(prompt_tokens=100, cached_tokens=96, tokens=("token_id:7",),
                     top_logprobs=({"token_id:7": -1.5},), seconds=0.2).to_json()
@@ -71,7 +71,9 @@ def test_an_unreachable_server_is_a_failed_check(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_loopback_port()}"  # nothing listens there
     out = tmp_path / "report.json"
     assert main(["serve-check", url, "--timeout-s", "5", "--json", str(out)]) == 1
-    report = json.loads(out.read_text())
+    document = json.loads(out.read_text())
+    assert document["command"] == "serve-check"
+    report = document["results"]
     assert report["passed"] is False
     assert report["checks"] == [{"name": "server", "passed": False,
                                  "detail": f"GET {url}/health does not answer 200"}]

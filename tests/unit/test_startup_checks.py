@@ -66,8 +66,8 @@ def test_a_root_dir_that_is_a_file_or_cannot_be_created_is_refused(tmp_path):
 def test_the_host_pool_is_exactly_whole_slots_within_the_budget():
     from kv_offload.backends.cpu.pool import allocate_pool
     from kv_offload.canonical import canonicalize
-    from kv_offload.example_models import build_example
     from kv_offload.kernels.geometry import HostSlotLayout
+    from kv_offload.testing.example_models import build_example
 
     model = build_example("llama-8b", num_blocks=2)
     canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)

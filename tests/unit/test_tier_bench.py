@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from kv_offload.backends.example import DictTier
-from kv_offload.backends.tier_bench import BenchTier, filesystem_factory, run_tier_bench
-from kv_offload.cli import main
+from kv_offload.tools.bench_stores import filesystem_factory
+from kv_offload.tools.bench_tiers import BenchPlan, BenchTier, run_tier_bench
+from kv_offload.tools.cli import main
 
-FIELDS = {"write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
-          "write_ratio", "read_ratio", "mismatches", "failed_keys", "cells"}
-CELL_FIELDS = {"tier", "value_mib", "connections", "write_gbps", "read_gbps", "lookup_p50_us",
-               "lookup_p99_us", "read_p50_ms", "read_p99_ms", "mismatches", "failed_keys"}
+FIELDS = {"store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps",
+          "store_ratio", "load_ratio", "mismatches", "failed_keys", "cells"}
+CELL_FIELDS = {"tier", "value_mib", "connections", "store_gbps", "load_gbps", "lookup_p50_us",
+               "lookup_p99_us", "load_p50_ms", "load_p99_ms", "mismatches", "failed_keys"}
 
 
 @pytest.mark.parametrize("backend", ["valkey", "s3"])
@@ -30,18 +31,18 @@ def test_cli_bench_runs_every_cell_against_the_filesystem_tier(backend, request,
         request.getfixturevalue("s3_credentials")  # the CLI starts its own moto server
         extra = []
     out = tmp_path / "bench.json"
-    code = main(["bench", "--backend", backend, *extra, "--value-mib", "0.25", "1",
+    code = main(["bench", "--backend", backend, *extra, "--page-kib", "256", "1024",
                  "--connections", "1", "2", "--total-mib", "2", "--repeats", "2",
                  "--fs-root", str(tmp_path / "fs"), "--json", str(out)])
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["results"]
     assert code == 0 and set(result) >= FIELDS and result["backend"] == backend
     assert result["mismatches"] == 0 and result["failed_keys"] == 0
     cells = result["cells"]
     assert {(c["tier"], c["value_mib"], c["connections"]) for c in cells} == {
         (tier, size, conns) for tier in (backend, "filesystem") for size in (0.25, 1)
         for conns in (1, 2)}
-    assert all(set(c) >= CELL_FIELDS and c["write_gbps"] > 0 and c["read_gbps"] > 0
-               and len(c["samples"]["read_gbps"]) == 2 for c in cells)
+    assert all(set(c) >= CELL_FIELDS and c["store_gbps"] > 0 and c["load_gbps"] > 0
+               and len(c["samples"]["load_gbps"]) == 2 for c in cells)
     assert ("goal" in result) == (backend == "valkey")
     table = capsys.readouterr().out
     assert "filesystem" in table and backend in table and "mismatches: 0" in table
@@ -57,11 +58,12 @@ class _FlipsAByteOnRead(DictTier):
 
 
 def test_the_byte_check_counts_wrong_bytes(tmp_path):
+    plan = BenchPlan(page_bytes=(64 * 1024,), connections=(1,), total_bytes=1 << 20,
+                     values_per_job=lambda size: 4, repeats=1, work_root=str(tmp_path))
     result = run_tier_bench("dict", {
         "dict": BenchTier(lambda conns, workdir: _FlipsAByteOnRead()),
-        "filesystem": BenchTier(filesystem_factory)},
-                            value_mib=(0.0625,), connections=(1,), total_mib=1, repeats=1,
-                            work_root=str(tmp_path))
+        "filesystem": BenchTier(filesystem_factory)}, plan,
+                            baseline="filesystem", baseline_note="the filesystem tier")
     by_tier = {c["tier"]: c for c in result["cells"]}
     assert by_tier["dict"]["mismatches"] == 16 and by_tier["filesystem"]["mismatches"] == 0
     assert result["mismatches"] == 16

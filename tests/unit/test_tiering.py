@@ -12,8 +12,8 @@ import torch
 from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.config import parse_config
-from kv_offload.engine_alloc import allocate_kv_caches
 from kv_offload.key_view import storage_key
+from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.types import Location
 

@@ -162,3 +162,30 @@ def test_no_hit_past_the_last_stored_state(mamba_type):
     report(sched, 0, held, reflected_step=steps[-1][1].step)  # every store reported
     tokens, _, _ = sched.num_new_matched_tokens(make("b", 200), 0)
     assert tokens == 96
+
+
+@pytest.mark.parametrize("mamba_type", ["MAMBA2", "GDN_ATTN"])
+def test_a_step_reusing_a_state_block_still_being_copied_waits_for_the_copy(mamba_type):
+    """vLLM frees state blocks of running requests (the state at 32 is nulled two steps
+    later) and may hand one to another request while our copy of it is still in flight:
+    that step's forward must wait for the stores; once the workers report the copy done,
+    reusing the block needs no wait."""
+    manager, sched = engine(mamba_type)
+    make = request_factory()
+    first = make("a", 100)
+    steps = prefill(manager, sched, first)
+    (offer,) = steps[0][0]
+    reused = offer[1]
+    assert manager.get_block_ids("a")[STATE_GROUP][0] == 0  # vLLM freed it
+    other = make("b", 40, first_token=500)
+    sched.num_new_matched_tokens(other, 0)
+    ids = ([40], [reused])  # vLLM hands the freed block to another request
+    meta = sched.build_meta(output(new=[NewRequestData.from_request(other, ids)],
+                                   scheduled={"b": 40}))
+    assert meta.wait_for_stores
+    report(sched, 0, reflected_step=meta.step)  # every copy so far is out
+    third = make("c", 40, first_token=700)
+    sched.num_new_matched_tokens(third, 0)
+    meta = sched.build_meta(output(new=[NewRequestData.from_request(third, ([41], [reused]))],
+                                   scheduled={"c": 40}))
+    assert not meta.wait_for_stores

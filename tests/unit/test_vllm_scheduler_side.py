@@ -141,7 +141,7 @@ def test_load_plan_full_attention_and_sliding_window(make_request):
     swa_ids = [0, 0, 0, 0, 0, 0, 27, 28, 29]
     full_ids = list(range(10, 19))
     sched.after_alloc(request, (swa_ids, full_ids), tokens)
-    assert sched.source_of("r") == "host"
+    assert sched.source_of("r") is IN_HOST
     meta = sched.build_meta(output())
     plan = meta.loads["r"]
     assert plan[1] == (hashes_of(request, range(2, 8)), full_ids[2:8])
@@ -248,12 +248,12 @@ def test_source_is_host_only_when_every_rank_has_every_block_in_memory(make_requ
     for rank in (0, 1):
         report(sched, rank, keys(request, range(3)))
     run_hit(sched, request, ([1, 2, 3, 4],))
-    assert sched.source_of("r") == "host"
+    assert sched.source_of("r") is IN_HOST
     report(sched, 1, keys(request, [1]), old=IN_HOST, new=ON_DISK)  # rank 1 evicted to disk
-    assert sched.source_of("r") == "disk"
+    assert sched.source_of("r") is ON_DISK
     assert sched.num_new_matched_tokens(make_request("s", 100), 0)[:2] == (96, True)
     report(sched, 1, keys(request, [1]), old=ON_DISK, new=IN_HOST)  # read back into memory
-    assert sched.source_of("r") == "host"
+    assert sched.source_of("r") is IN_HOST
 
 
 def test_source_is_disk_for_a_hit_only_on_disk(make_request):
@@ -262,7 +262,7 @@ def test_source_is_disk_for_a_hit_only_on_disk(make_request):
     report(sched, 0, keys(request, range(3)), new=ON_DISK)
     assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)
     sched.after_alloc(request, ([1, 2, 3, 4],), 96)
-    assert sched.source_of("r") == "disk"
+    assert sched.source_of("r") is ON_DISK
 
 
 def test_a_larger_block_is_keyed_by_the_hash_at_its_end(make_request):

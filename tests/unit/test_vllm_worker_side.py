@@ -14,9 +14,9 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from kv_offload.config import OffloadConfig  # noqa: E402
-from kv_offload.engine_alloc import allocate_kv_caches  # noqa: E402
 from kv_offload.key_view import storage_key  # noqa: E402
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec  # noqa: E402
+from kv_offload.testing.engine_alloc import allocate_kv_caches  # noqa: E402
 from kv_offload.types import Location  # noqa: E402
 from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
 

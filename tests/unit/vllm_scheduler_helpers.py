@@ -72,14 +72,15 @@ def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HO
 
 
 def output(new=(), cached: CachedRequestData | None = None, scheduled=None,
-           spec_tokens=None) -> SchedulerOutput:
+           spec_tokens=None, preempted=()) -> SchedulerOutput:
     scheduled = scheduled or {}
     return SchedulerOutput(
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
         num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
         scheduled_spec_decode_tokens=spec_tokens or {}, scheduled_encoder_inputs={},
-        finished_req_ids=set(), free_encoder_mm_hashes=[])
+        finished_req_ids=set(), free_encoder_mm_hashes=[],
+        preempted_req_ids=set(preempted))  # (vLLM 0.32 always sets it)
 
 
 def cached_step(request: Request, new_block_ids, resumed: bool = False) -> CachedRequestData:

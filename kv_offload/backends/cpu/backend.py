@@ -40,13 +40,12 @@ from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
 from kv_offload.kernels import BlockCopier, HostSlotLayout
-from kv_offload.kernels.plan import IdsLike
+from kv_offload.kernels.plan import IdsLike, id_array
 from kv_offload.kernels.runtime import CudaRuntime, EngineReady
 from kv_offload.transfer import BlockTransfer, Direction, TransferJob, TransferResult
+from kv_offload.types import Transfers
 
 logger = logging.getLogger(__name__)
-
-Transfers = Mapping[int, tuple[IdsLike, IdsLike]]
 
 POLL_INTERVAL_S = 0.0002  # how often a worker queries its GPU jobs' events while any run
 CLOSE_TIMEOUT_S = 60.0  # close() fails GPU jobs still running after this long
@@ -285,18 +284,9 @@ def _block_transfers(transfers: Transfers) -> tuple[BlockTransfer, ...]:
     for group, pair in transfers.items():
         if not isinstance(pair, tuple) or len(pair) != 2:
             raise TransferError(f"group {group}: expected (block_ids, slot_ids), got {pair!r}")
-        out.append(BlockTransfer(group, _id_array(pair[0], group), _id_array(pair[1], group)))
+        out.append(BlockTransfer(group, id_array(pair[0], "block", group, copy=True),
+                                 id_array(pair[1], "slot", group, copy=True)))
     return tuple(out)
-
-
-def _id_array(ids: IdsLike, group: int) -> np.ndarray:
-    array = np.array(ids.cpu() if isinstance(ids, torch.Tensor) else ids)  # a private copy
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise TransferError(f"group {group}: ids must be a 1-D sequence of ints, got dtype "
-                            f"{array.dtype} shape {array.shape}")
-    return array.astype(np.int64, copy=False)
 
 
 def _failure(job_id: int, direction: Direction, transfers: tuple[BlockTransfer, ...],

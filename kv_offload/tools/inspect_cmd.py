@@ -1,14 +1,17 @@
-"""`kv-offload inspect`: canonicalise the example models and show what would be offloaded."""
+"""`kv-offload inspect`: canonicalise the example models and show what would be offloaded.
+
+One table per model (`report.Table`); ``--json`` writes the `report` envelope whose
+``results`` lists one report per model."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from kv_offload.canonical import canonicalize
-from kv_offload.engine_alloc import LAYOUTS
-from kv_offload.example_models import EXAMPLE_MODELS, build_example
+from kv_offload.testing.engine_alloc import LAYOUTS
+from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
+from kv_offload.tools.report import Table, emit, envelope
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +21,8 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine KV-cache layout to allocate (default LBNHC)")
     parser.add_argument("--num-blocks", type=int, default=4,
                         help="blocks to allocate per layer (default 4)")
-    parser.add_argument("--json", metavar="PATH", help="also write the tables as JSON")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the tables as JSON ('-': stdout)")
 
 
 def _size(num_bytes: float) -> str:
@@ -57,25 +61,21 @@ def inspect_model(name: str, layout: str, num_blocks: int) -> dict:
     }
 
 
-def print_report(report: dict) -> None:
+def inspect_table(report: dict) -> Table:
     pages = ", ".join(_size(p) for p in report["page_sizes"])
-    print(f"\n{report['model']} ({report['layout']}): {report['unique_tensors']} unique tensors, "
-          f"pages {pages}, canonicalised in {report['canonicalize_ms']:.1f} ms")
-    header = f"  {'group':>5}  {'spec':<22} {'block':>6} {'layers':>6} {'refs':>5} " \
-             f"{'data/block':>12} {'slot/block':>12}"
-    print(header)
+    table = Table(f"{report['model']} ({report['layout']}): {report['unique_tensors']} unique "
+                  f"tensors, pages {pages}, canonicalised in "
+                  f"{report['canonicalize_ms']:.1f} ms",
+                  ("group", "spec", "block", "layers", "refs", "data/block", "slot/block"))
     for g in report["groups"]:
-        print(f"  {g['group']:>5}  {g['spec']:<22} {g['block_size']:>6} {g['layers']:>6} "
-              f"{g['refs']:>5} {_size(g['data_bytes_per_block']):>12} "
-              f"{_size(g['slot_bytes_per_block']):>12}")
+        table.add(g["group"], g["spec"], g["block_size"], g["layers"], g["refs"],
+                  _size(g["data_bytes_per_block"]), _size(g["slot_bytes_per_block"]))
+    return table
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    """Exit status 0; a model that cannot be canonicalised raises its typed error."""
     reports = [inspect_model(name, args.layout, args.num_blocks)
                for name in (args.model or list(EXAMPLE_MODELS))]
-    for report in reports:
-        print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=2)
+    emit([inspect_table(r) for r in reports], envelope("inspect", reports), args.json)
     return 0

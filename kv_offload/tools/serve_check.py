@@ -8,13 +8,13 @@ arguments. Needs only the client side: `openai`, `httpx` and `prometheus_client`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 from kv_offload.errors import ServeCheckInputError
 from kv_offload.serving.check import CheckOptions, CheckReport, run_check
+from kv_offload.tools.report import Table, emit, envelope
 
 
 def add_serve_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def add_serve_check_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API key, if the server wants one (default $OPENAI_API_KEY)")
     parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="seconds allowed per request (default 120)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report here")
+    parser.add_argument("--json", metavar="PATH", help="also write the report here ('-': stdout)")
 
 
 def _options(args: argparse.Namespace) -> CheckOptions:
@@ -64,16 +64,15 @@ def _options(args: argparse.Namespace) -> CheckOptions:
     )
 
 
-def print_report(report: CheckReport) -> None:
+def report_table(report: CheckReport) -> Table:
     marks = {True: "ok", False: "FAILED", None: "skipped"}
-    rows = [(c.name, marks[c.passed], c.detail) for c in report.checks]
-    width = [max(len(r[i]) for r in [("check", "result", ""), *rows]) for i in range(2)]
-    print(f"\nkv-offload serve-check {report.url}\n")
-    for name, mark, detail in [("check", "result", "evidence"), *rows]:
-        print(f"{name.ljust(width[0])}  {mark.ljust(width[1])}  {detail}")
+    table = Table(f"kv-offload serve-check {report.url}", ("check", "result", "evidence"))
+    for c in report.checks:
+        table.add(c.name, marks[c.passed], c.detail)
     verdict = "PASSED" if report.passed else "FAILED"
-    print(f"\n{verdict}: {sum(c.passed is True for c in report.checks)} checks passed, "
-          f"{sum(c.passed is False for c in report.checks)} failed\n")
+    table.notes.append(f"{verdict}: {sum(c.passed is True for c in report.checks)} checks "
+                       f"passed, {sum(c.passed is False for c in report.checks)} failed")
+    return table
 
 
 def run_serve_check(args: argparse.Namespace) -> int:
@@ -82,7 +81,5 @@ def run_serve_check(args: argparse.Namespace) -> int:
     except ServeCheckInputError as e:
         print(f"kv-offload serve-check: {e}", file=sys.stderr)
         return 2
-    print_report(report)
-    if args.json:
-        args.json.write_text(json.dumps(report.to_json(), indent=2))
+    emit([report_table(report)], envelope("serve-check", report.to_json()), args.json)
     return 0 if report.passed else 1

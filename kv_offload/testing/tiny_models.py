@@ -13,7 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kv_offload.tiny_vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, vocabulary, word_prompt
+from kv_offload.testing.tiny_vocab import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    VOCAB_SIZE,
+    vocabulary,
+    word_prompt,
+)
 
 __all__ = ["BUILDERS", "build_gemma3", "build_granite_hybrid", "build_llama", "build_qwen3_next",
            "word_prompt"]

@@ -8,7 +8,7 @@ prompts three times:
   cpu      after `llm.reset_prefix_cache()`: vLLM's own cache is gone, ours is not;
   disk     a new engine process with the same disk directory: only the disk tier remains.
 
-Every engine runs in a child process (`python -m kv_offload.demo --child SPEC`) so vLLM's logs
+Every engine runs in a child process (`python -m kv_offload.tools.demo --child SPEC`) so vLLM's logs
 stay quiet and its process rules hold. Greedy decoding: each pass must give the cold tokens.
 """
 
@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_offload.tiny_vocab import word_prompt
+from kv_offload.testing.tiny_vocab import word_prompt
+from kv_offload.tools.report import Progress, Table, emit, envelope
 
 # Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -67,7 +68,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "removed afterwards)")
     parser.add_argument("--no-connector", action="store_true",
                         help="baseline: the same passes without KVOffloadConnector")
-    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results to this file ('-': stdout)")
 
 
 def model_dir(size: str, cache_dir: Path | None = None) -> Path:
@@ -79,9 +81,9 @@ def model_dir(size: str, cache_dir: Path | None = None) -> Path:
     sizes = MODEL_SIZES[size]
     if marker.exists() and json.loads(marker.read_text()) == sizes:
         return path
-    from kv_offload.tiny_models import build_llama
+    from kv_offload.testing.tiny_models import build_llama
 
-    print(f"building the {size} demo model in {path} ...", flush=True)
+    print(f"building the {size} demo model in {path} ...", file=sys.stderr, flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(root)))
     build_llama(building, max_positions=4096, **sizes)
     (building / marker.name).write_text(json.dumps(sizes))
@@ -107,10 +109,13 @@ def kv_transfer_config(fs_root_dir: Path) -> dict[str, Any]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Exit status 1 when a pass's tokens differ from the cold pass's."""
     prompt_tokens = args.prompt_tokens or DEFAULT_PROMPT_TOKENS[args.model_size]
     # Distinct first words: no two prompts share a prefix block.
     prompts = [word_prompt(prompt_tokens, offset=101 * i) for i in range(args.prompts)]
     warmup_prompts = [word_prompt(prompt_tokens, offset=101 * i + 50) for i in range(args.prompts)]
+    progress = Progress(3, "demo")
+    progress.step(f"the {args.model_size} model")
     model = model_dir(args.model_size, args.cache_dir)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-demo-"))
     try:
@@ -123,26 +128,29 @@ def run_demo(args: argparse.Namespace) -> int:
             "max_model_len": _round_up(prompt_tokens + args.max_tokens + 1, ENGINE_BLOCK_SIZE),
             "kv_transfer_config": transfer,
         }
+        progress.step("engine process 1: cold and cpu passes")
         first = _run_child({**spec, "passes": ["cold", "cpu"]}, work / "engine1")
+        progress.step("engine process 2: disk pass")
         second = _run_child({**spec, "passes": ["disk"]}, work / "engine2")
+        progress.finish()
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     results = _pass_results(first["passes"] + second["passes"], args.no_connector)
-    _print_table(results, args, prompt_tokens, [first, second])
     same = all(r.identical for r in results)
-    if args.json:
-        args.json.write_text(json.dumps({
-            "model": {"path": str(model), "size": args.model_size, **MODEL_SIZES[args.model_size]},
-            "connector": not args.no_connector,
-            "kv_transfer_config": transfer,
-            "num_prompts": args.prompts,
-            "tokens_per_prompt": prompt_tokens,
-            "max_tokens": args.max_tokens,
-            "engine_start_s": [first["engine_start_s"], second["engine_start_s"]],
-            "passes": [asdict(r) for r in results],
-            "outputs_identical": same,
-        }, indent=2))
+    document = envelope("demo", {
+        "model": {"path": str(model), "size": args.model_size, **MODEL_SIZES[args.model_size]},
+        "connector": not args.no_connector,
+        "kv_transfer_config": transfer,
+        "num_prompts": args.prompts,
+        "tokens_per_prompt": prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "engine_start_s": [first["engine_start_s"], second["engine_start_s"]],
+        "passes": [asdict(r) for r in results],
+        "outputs_identical": same,
+        "mismatches": sum(not r.identical for r in results),
+    })
+    emit([_table(results, args, prompt_tokens, [first, second])], document, args.json)
     if not same:
         print("FAILED: generated tokens differ from the cold pass", file=sys.stderr)
     return 0 if same else 1
@@ -181,30 +189,26 @@ def _pass_results(passes: list[dict[str, Any]], no_connector: bool) -> list[Pass
     return results
 
 
-def _print_table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: int,
-                 runs: list[dict[str, Any]]) -> None:
+def _table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: int,
+           runs: list[dict[str, Any]]) -> Table:
     sizes = MODEL_SIZES[args.model_size]
     mode = "without connector (baseline)" if args.no_connector else "with KVOffloadConnector"
-    print(f"\nkv-offload demo, {mode}: {args.prompts} prompts x {prompt_tokens} tokens, "
-          f"{args.max_tokens} generated each, greedy; Llama-like {sizes['layers']} layers, "
-          f"hidden {sizes['hidden']} (engine start {runs[0]['engine_start_s']:.1f} s, "
-          f"{runs[1]['engine_start_s']:.1f} s)\n")
-    header = ("pass", "engine", "source", "prompt tokens", "from cache", "seconds", "speed-up",
-              "same output")
-    rows = [
-        (r.name, f"process {r.engine_process}", r.source, str(r.prompt_tokens),
-         str(r.cached_tokens), f"{r.seconds:.3f}", f"{r.speedup:.1f}x",
-         "yes" if r.identical else "NO")
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    print()
+    table = Table(
+        f"kv-offload demo, {mode}: {args.prompts} prompts x {prompt_tokens} tokens, "
+        f"{args.max_tokens} generated each, greedy; Llama-like {sizes['layers']} layers, "
+        f"hidden {sizes['hidden']} (engine start {runs[0]['engine_start_s']:.1f} s, "
+        f"{runs[1]['engine_start_s']:.1f} s)",
+        ("pass", "engine", "source", "prompt tokens", "from cache", "seconds", "speed-up",
+         "same output"))
+    for r in results:
+        table.add(r.name, f"process {r.engine_process}", r.source, r.prompt_tokens,
+                  r.cached_tokens, f"{r.seconds:.3f}", f"{r.speedup:.1f}x",
+                  "yes" if r.identical else "NO")
+    return table
 
 
 def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
-    """Run one engine over `spec` in `python -m kv_offload.demo --child` and return its results."""
+    """Run one engine over `spec` in `python -m kv_offload.tools.demo --child`; its results."""
     _mkdir(work)
     spec_path, result_path, log_path = work / "spec.json", work / "result.json", work / "engine.log"
     spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
@@ -212,8 +216,9 @@ def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with log_path.open("w") as log:
         # cwd=work: a source checkout's top-level folders must not shadow installed packages.
-        proc = subprocess.run([sys.executable, "-m", "kv_offload.demo", "--child", str(spec_path)],
-                              cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kv_offload.tools.demo", "--child", str(spec_path)],
+            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not result_path.exists():
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}):\n{tail}")

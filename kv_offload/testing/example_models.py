@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_offload.engine_alloc import allocate_kv_caches
 from kv_offload.errors import SpecMergeError
 from kv_offload.specs import (
     FullAttentionSpec,
@@ -25,6 +24,7 @@ from kv_offload.specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from kv_offload.testing.engine_alloc import allocate_kv_caches
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,185 @@
+"""`kv-offload bench`: store/load throughput of one backend against a baseline measured in the
+same run, every byte checked.
+
+Backends: ``cpu`` (the host tier's copies against a plain torch copy, `bench_cpu`),
+``filesystem`` (the disk tier against raw O_DIRECT I/O of the same bytes), ``valkey``, ``s3``
+and any ``package.module:ClassName`` storage tier (against the filesystem tier; `bench_tiers`).
+
+Every backend honours the common flags the same way, or refuses the run:
+
+- ``--repeats N``: runs per measurement; the JSON keeps every sample and reports the best
+  (`report.STATISTIC`).
+- ``--seed N``: the random data and block/slot choices.
+- ``--batch-mib N``: bytes per submitted job (the CPU tier: one job; tiers: keys per job =
+  batch / value size).
+- ``--page-kib N``: the unit moved per key: the CPU tier's page (a synthetic model), a tier's
+  value size (several values: a sweep).
+- ``--json PATH``: the envelope of `report` (``-``: stdout, the table then goes to stderr).
+
+A flag a backend cannot honour (``--fs-root`` for ``cpu``, ``--layout`` for ``valkey``...)
+is refused with a message naming the flag and the backend, exit status 2: nothing is ever
+silently ignored. Exit status 1 when any byte mismatched or any key failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from kv_offload.errors import BenchArgumentError, ConfigError
+from kv_offload.testing.engine_alloc import LAYOUTS
+from kv_offload.testing.example_models import EXAMPLE_MODELS
+from kv_offload.tools.report import STATISTIC, Table, emit, envelope
+
+BUILTIN_BACKENDS = ("cpu", "filesystem", "valkey", "s3")
+COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
+TIER_FLAGS = ("fs_root", "total_mib", "connections")
+# The flags each backend honours besides COMMON; any other flag given is refused.
+HONOURED: dict[str, tuple[str, ...]] = {
+    "cpu": ("model", "layers", "layout", "pattern"),
+    "filesystem": TIER_FLAGS,
+    "valkey": (*TIER_FLAGS, "url"),
+    "s3": (*TIER_FLAGS, "endpoint_url", "bucket"),
+    "module:Class": ("fs_root", "total_mib", "tier_options"),
+}
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    # Backend-specific flags default to None, so a flag the user gave can be told apart
+    # from one left alone (and refused where it does not apply).
+    parser.add_argument("--backend", default="cpu", metavar="NAME",
+                        help=f"{', '.join(BUILTIN_BACKENDS)} or package.module:ClassName (a "
+                             "StorageTier, benchmarked like valkey/s3; default cpu)")
+    common = parser.add_argument_group("every backend")
+    common.add_argument("--repeats", type=int, default=3,
+                        help=f"runs per measurement; the {STATISTIC} is reported (default 3)")
+    common.add_argument("--seed", type=int, default=0, help="random data and choices")
+    common.add_argument("--batch-mib", type=float, default=None, metavar="MIB",
+                        help="bytes per job (default: cpu 256; filesystem 16 values; "
+                             "valkey/s3 4 values)")
+    common.add_argument("--page-kib", type=int, nargs="+", default=None, metavar="KIB",
+                        help="bytes per key: cpu: the page of a synthetic model (overrides "
+                             "--model); tiers: value sizes, a sweep (default: filesystem "
+                             "2048; valkey/s3 1024 4096 16384)")
+    common.add_argument("--json", metavar="PATH",
+                        help="write the results here ('-': stdout, the table to stderr)")
+    cpu = parser.add_argument_group("--backend cpu")
+    cpu.add_argument("--model", choices=sorted(EXAMPLE_MODELS), default=None,
+                     help="example model (default llama-8b)")
+    cpu.add_argument("--layers", type=int, default=None,
+                     help="layers of the synthetic --page-kib model (default 1)")
+    cpu.add_argument("--layout", choices=sorted(LAYOUTS), default=None,
+                     help="engine cache layout (default LBNHC)")
+    cpu.add_argument("--pattern", choices=["fresh", "scattered"], default=None,
+                     help="slot ids: consecutive as a fresh manager hands them out (default), "
+                          "or a random subset")
+    tiers = parser.add_argument_group("--backend filesystem|valkey|s3|module:Class")
+    tiers.add_argument("--fs-root", default=None,
+                       help="a directory on the disk to measure, not tmpfs (default "
+                            "/tmp/kv-offload-bench)")
+    tiers.add_argument("--total-mib", type=float, default=None,
+                       help="bytes written and read per cell (default 256)")
+    tiers.add_argument("--connections", type=int, nargs="+", default=None,
+                       help="connections (filesystem: io threads), a sweep (default: "
+                            "filesystem 8; valkey/s3 1 4 8)")
+    tiers.add_argument("--url", default=None,
+                       help="valkey: redis://HOST:PORT/DB (default: a loopback server)")
+    tiers.add_argument("--endpoint-url", default=None,
+                       help="s3: the endpoint (default: moto on loopback)")
+    tiers.add_argument("--bucket", default=None, help="s3: an existing bucket")
+    tiers.add_argument("--tier-options", default=None, metavar="JSON",
+                       help="module:Class: its storage_options, as JSON (default {})")
+
+
+def backend_kind(backend: str) -> str:
+    if backend in BUILTIN_BACKENDS:
+        return backend
+    if ":" in backend:
+        return "module:Class"
+    raise BenchArgumentError(f"--backend {backend!r}: expected one of "
+                             f"{', '.join(BUILTIN_BACKENDS)} or package.module:ClassName")
+
+
+def check_bench_arguments(args: argparse.Namespace) -> None:
+    """Raise BenchArgumentError for any flag the backend cannot honour or any bad value."""
+    kind = backend_kind(args.backend)
+    allowed = set(COMMON) | set(HONOURED[kind])
+    given = [name for name in vars(args)
+             if name not in ("backend", "run", "command") and name not in COMMON
+             and getattr(args, name) is not None]
+    for name in given:
+        if name not in allowed:
+            users = [b for b, flags in HONOURED.items() if name in flags]
+            raise BenchArgumentError(
+                f"--{name.replace('_', '-')} does not apply to --backend {args.backend} "
+                f"(only to {', '.join(users)}); this backend honours: "
+                f"{', '.join('--' + f.replace('_', '-') for f in (*COMMON, *HONOURED[kind]))}")
+    for name in ("repeats", "batch_mib", "total_mib", "layers"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise BenchArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("page_kib", "connections"):
+        values = getattr(args, name) or []
+        if any(v <= 0 for v in values):
+            raise BenchArgumentError(f"--{name.replace('_', '-')} must be positive, got "
+                                     f"{values}")
+    if kind == "cpu":
+        if args.page_kib is not None and len(args.page_kib) != 1:
+            raise BenchArgumentError(f"--backend cpu takes one --page-kib (a synthetic "
+                                     f"model's page), got {args.page_kib}")
+        if args.layers is not None and args.page_kib is None:
+            raise BenchArgumentError("--layers shapes the synthetic model: give --page-kib "
+                                     "too (an example --model has its own layers)")
+        if args.model is not None and args.page_kib is not None:
+            raise BenchArgumentError("--model and --page-kib both choose the model: give one")
+    if kind == "s3" and args.endpoint_url is None and args.bucket is not None:
+        raise BenchArgumentError("--bucket names a bucket of --endpoint-url: give both "
+                                 "(without them a loopback moto server is started)")
+    if kind == "s3" and args.endpoint_url is not None and args.bucket is None:
+        raise BenchArgumentError("--endpoint-url needs --bucket (an existing bucket)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run, print the table, write the envelope; 2 on refused flags, 1 on any bad byte/key."""
+    try:
+        check_bench_arguments(args)
+    except BenchArgumentError as e:
+        print(f"kv-offload bench: {e}", file=sys.stderr)
+        return 2
+    run = BACKENDS.get(args.backend, _tier)
+    try:
+        result, table = run(args)
+    except (BenchArgumentError, ConfigError) as e:  # e.g. a module:Class tier's options
+        print(f"kv-offload bench: {e}", file=sys.stderr)
+        return 2
+    emit([table], envelope("bench", result, STATISTIC), args.json)
+    return 0 if result["mismatches"] == 0 and result["failed_keys"] == 0 else 1
+
+
+def _cpu(args: argparse.Namespace) -> tuple[dict, Table]:
+    from kv_offload.tools.bench_cpu import bench_cpu, cpu_table
+
+    result = bench_cpu(args)
+    return result, cpu_table(result)
+
+
+def _filesystem(args: argparse.Namespace) -> tuple[dict, Table]:
+    from kv_offload.tools.bench_filesystem import run_filesystem_bench
+    from kv_offload.tools.bench_tiers import tier_table
+
+    result = run_filesystem_bench(args)
+    return result, tier_table(result)
+
+
+def _tier(args: argparse.Namespace) -> tuple[dict, Table]:
+    from kv_offload.tools.bench_stores import run_shared_store_bench
+    from kv_offload.tools.bench_tiers import tier_table
+
+    result = run_shared_store_bench(args)
+    return result, tier_table(result)
+
+
+# Each backend returns its JSON result and its table.
+BACKENDS: dict[str, Callable[[argparse.Namespace], tuple[dict, Table]]] = {
+    "cpu": _cpu, "filesystem": _filesystem, "valkey": _tier, "s3": _tier}

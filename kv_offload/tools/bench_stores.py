@@ -1,0 +1,180 @@
+"""`kv-offload bench --backend valkey|s3|package.module:ClassName`: a shared-store tier (or any
+`StorageTier`) against the filesystem tier, same cells, same run (`bench_tiers`).
+
+    kv-offload bench --backend valkey   # a loopback redis-server/valkey-server is started
+    kv-offload bench --backend valkey --url redis://HOST:6379/0
+    kv-offload bench --backend s3       # moto's server on loopback: NOT a performance reference
+    kv-offload bench --backend s3 --endpoint-url http://minio:9000 --bucket kv-bench
+    kv-offload bench --backend mypkg.tier:MyTier --tier-options '{"max_bytes": 1073741824}'
+
+Loopback numbers measure the client, the server and the memory copies on this machine, not
+a network. A ``module:Class`` tier is opened with ``from_options(--tier-options)``, as the
+connector opens it; it has no connection count of its own (one cell per value size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import shutil
+
+from kv_offload.backends.base import StorageTier
+from kv_offload.errors import BenchArgumentError
+from kv_offload.tools.bench_tiers import (
+    MIB,
+    BenchPlan,
+    BenchTier,
+    RawCell,
+    RawMeasure,
+    TierFactory,
+    run_tier_bench,
+)
+
+DEFAULT_PAGE_KIB = (1024, 4096, 16384)
+DEFAULT_CONNECTIONS = (1, 4, 8)
+DEFAULT_TOTAL_MIB = 256
+DEFAULT_FS_ROOT = "/tmp/kv-offload-bench"
+VALUES_PER_JOB = 4  # without --batch-mib
+LAYOUT = "bench-layout"
+
+
+def plan_from_args(args: argparse.Namespace, page_kib: tuple[int, ...],
+                   connections: tuple[int, ...], values_per_job: int) -> BenchPlan:
+    """The cells `--page-kib`, `--connections`, `--total-mib` and `--batch-mib` ask for."""
+    batch = None if args.batch_mib is None else int(args.batch_mib * MIB)
+    return BenchPlan(
+        page_bytes=tuple(k * 1024 for k in (args.page_kib or page_kib)),
+        connections=tuple(getattr(args, "connections", None) or connections),
+        total_bytes=int((args.total_mib or DEFAULT_TOTAL_MIB) * MIB),
+        values_per_job=(lambda size: values_per_job) if batch is None
+        else (lambda size: max(1, batch // size)),
+        repeats=args.repeats, seed=args.seed, work_root=args.fs_root or DEFAULT_FS_ROOT)
+
+
+def filesystem_factory(conns: int, workdir: str) -> StorageTier:
+    """The filesystem tier in a fresh directory (under --fs-root), ``conns`` io threads."""
+    from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+
+    budget = shutil.disk_usage(workdir).free  # never the limit; within the disk's size
+    return FilesystemTier(FilesystemTierConfig(workdir, LAYOUT, budget,
+                                               io_threads=conns, rescan_interval_s=0))
+
+
+def run_shared_store_bench(args: argparse.Namespace) -> dict:
+    """Start a loopback server unless one is named; run the cells against the filesystem tier."""
+    with contextlib.ExitStack() as stack:
+        raw: list[RawMeasure] = []
+        connections = DEFAULT_CONNECTIONS
+        if args.backend == "valkey":
+            make, note = _valkey_factory(args, stack)
+            if args.url is None:
+                raw = _server_alone(make)
+        elif args.backend == "s3":
+            make, note = _s3_factory(args, stack)
+        else:
+            make, note = _module_factory(args)
+            connections = (1,)
+        # Our own Valkey server evicts on its own; a server named by --url is cleaned up.
+        keep = args.backend == "valkey" and args.url is None
+        tiers = {args.backend: BenchTier(make, clear_after=not keep),
+                 "filesystem": BenchTier(filesystem_factory)}
+        return run_tier_bench(
+            args.backend, tiers, plan_from_args(args, DEFAULT_PAGE_KIB, connections,
+                                                VALUES_PER_JOB),
+            baseline="filesystem", baseline_note="the filesystem tier, same cells, same run",
+            note=note, raw=raw)
+
+
+def fill_until_evicting(url: str, value_bytes: int = 16 * MIB) -> None:
+    """Write filler values until the server starts evicting (its memory is then all in use)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    filler = bytes(value_bytes)
+    for i in itertools.count():
+        client.set(f"kv-offload-bench-fill:{i}", filler)
+        if client.info("stats")["evicted_keys"] > 0:
+            return
+
+
+def _server_alone(make) -> list[RawMeasure]:
+    """redis-benchmark on the bench's own server, if the binary is there."""
+    from kv_offload.tools.bench_valkey_server import benchmark_binary, server_alone_gbps
+
+    binary = benchmark_binary()
+    if binary is None:
+        return []
+    port = make.server.port
+
+    def run(cell: RawCell) -> tuple[float, float]:
+        return server_alone_gbps(binary, port, cell.value_bytes, cell.connections, cell.values)
+    return [RawMeasure(os.path.basename(binary), run)]
+
+
+def _valkey_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str]:
+    from kv_offload.backends.valkey import ValkeyTier
+
+    url, note, server = args.url, f"server {args.url}", None
+    if url is None:
+        from kv_offload.backends.valkey.local_server import LocalServer
+
+        # Room for four cells; filled first, so the benchmark runs on a full, warm cache
+        # that evicts (LRU) as a server in service does.
+        total_mib = args.total_mib or DEFAULT_TOTAL_MIB
+        server = stack.enter_context(LocalServer(maxmemory=f"{int(4 * total_mib) + 1}mb"))
+        fill_until_evicting(server.url)
+        url = server.url
+        note = f"local {os.path.basename(server.binary)} on loopback, full and evicting"
+
+    def make(conns: int, workdir: str) -> StorageTier:
+        return ValkeyTier.from_options({"url": url, "connections": conns,
+                                        "key_prefix": f"kv-offload-bench-{os.getpid()}:",
+                                        "timeout_s": 30.0, "refresh_interval_s": 0}, LAYOUT)
+    make.server = server  # (the raw baseline runs on the same server)
+    return make, note
+
+
+def _s3_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str]:
+    from kv_offload.backends.s3 import S3Tier
+
+    endpoint, bucket = args.endpoint_url, args.bucket
+    note = f"endpoint {endpoint}, bucket {bucket}"
+    if endpoint is None:
+        import boto3
+
+        from kv_offload.backends.s3.local_server import TEST_CREDENTIALS, LocalS3Server
+
+        for name, value in TEST_CREDENTIALS.items():
+            os.environ.setdefault(name, value)
+        server = stack.enter_context(LocalS3Server())
+        endpoint, bucket = server.endpoint_url, "kv-offload-bench"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        note = "moto's S3 server on loopback: a correctness reference, not a performance one"
+
+    def make(conns: int, workdir: str) -> StorageTier:
+        return S3Tier.from_options({"bucket": bucket, "endpoint_url": endpoint,
+                                    "bytes_to_use": 1 << 40, "connections": conns,
+                                    "prefix": f"kv-offload-bench-{os.getpid()}/",
+                                    "timeout_s": 60.0, "refresh_interval_s": 0}, LAYOUT)
+    return make, note
+
+
+def _module_factory(args) -> tuple[TierFactory, str]:
+    """A third-party tier, checked and opened as the connector does."""
+    from kv_offload.backends import tier_class
+
+    try:
+        options = json.loads(args.tier_options or "{}")
+    except json.JSONDecodeError as e:
+        raise BenchArgumentError(f"--tier-options must be a JSON object: {e}") from None
+    if not isinstance(options, dict):
+        raise BenchArgumentError(f"--tier-options must be a JSON object, got {options!r}")
+    cls = tier_class(args.backend)
+    cls.check_options(options)
+
+    def make(conns: int, workdir: str) -> StorageTier:
+        return cls.from_options(options, LAYOUT)
+    return make, f"{args.backend} with options {options}"

@@ -1,0 +1,128 @@
+"""What every `kv-offload` subcommand shows and writes: one table printer, one JSON envelope,
+one progress line.
+
+Contents:
+- `Table`: rows of cells printed as aligned columns under a title and above notes.
+- `envelope(command, results, statistic)`: the JSON every subcommand writes,
+  ``{"command", "version", "statistic", "results"}``.
+- `emit(table, envelope, json_path)`: print the table and write the envelope. ``--json -``
+  writes the envelope to stdout and moves the table to stderr, so stdout parses as JSON.
+- `Progress`: a one-line progress bar on stderr for long runs (bench sweeps, the demo).
+
+Why one module: a user reads several subcommands' output side by side (and scripts parse
+their JSON); one printer and one envelope keep them alike. The exit status rule lives with
+each command (non-zero on any mismatch or failed key) but is computed from the same
+`results` a script would read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TextIO
+
+# Every benchmark keeps the best of its repeats (the least disturbed run on a shared machine);
+# every sample stays in the JSON ("samples"), so a reader can take another statistic.
+STATISTIC = "best"
+
+
+def version() -> str:
+    """The installed kv-offload version (a source tree that was never installed says so)."""
+    try:
+        return metadata.version("kv-offload")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def envelope(command: str, results: Any, statistic: str | None = None) -> dict[str, Any]:
+    """The JSON document of one subcommand run. ``statistic`` says how repeated measurements
+    were reduced (`STATISTIC` for benchmarks; None where nothing is repeated)."""
+    return {"command": command, "version": version(), "statistic": statistic,
+            "results": results}
+
+
+@dataclass
+class Table:
+    """A titled table: columns aligned to their widest cell, numbers right-aligned."""
+
+    title: str
+    header: Sequence[str]
+    rows: list[Sequence[Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *cells: Any) -> None:
+        if len(cells) != len(self.header):
+            raise ValueError(f"row {cells!r} has {len(cells)} cells, the header "
+                             f"{list(self.header)} has {len(self.header)}")
+        self.rows.append(cells)
+
+    def render(self) -> str:
+        text = [[_cell(c) for c in row] for row in [self.header, *self.rows]]
+        widths = [max(len(row[i]) for row in text) for i in range(len(self.header))]
+        numeric = [all(_is_number(row[i]) for row in self.rows) and bool(self.rows)
+                   for i in range(len(self.header))]
+
+        def line(row: Sequence[str]) -> str:
+            return "  ".join(c.rjust(w) if num else c.ljust(w)
+                             for c, w, num in zip(row, widths, numeric)).rstrip()
+
+        lines = [self.title, line(text[0]), line(["-" * w for w in widths])]
+        lines += [line(row) for row in text[1:]]
+        return "\n".join(lines + self.notes)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def emit(tables: Sequence[Table], document: dict[str, Any], json_path: str | Path | None,
+         out: TextIO | None = None) -> None:
+    """Print the tables; write the envelope to ``json_path`` ("-": stdout, tables to stderr)."""
+    to_stdout = str(json_path) == "-"
+    stream = out or (sys.stderr if to_stdout else sys.stdout)
+    for table in tables:
+        print(table.render(), file=stream, end="\n\n")
+    if json_path is None:
+        return
+    text = json.dumps(document, indent=2)
+    if to_stdout:
+        print(text, flush=True)
+    else:
+        Path(json_path).write_text(text + "\n")
+
+
+class Progress:
+    """``[#####.....] label: step 3/10`` rewritten in place on stderr (a new line per call when
+    stderr is not a terminal, so logs stay readable)."""
+
+    WIDTH = 20
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
+        self.total, self.label, self.done = max(1, total), label, 0
+        self.stream = stream or sys.stderr
+        self._tty = self.stream.isatty()
+
+    def step(self, what: str) -> None:
+        """Announce the step about to run (the bar shows the steps finished before it)."""
+        filled = self.WIDTH * self.done // self.total
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        text = f"[{bar}] {self.label}: {what} ({self.done + 1}/{self.total})"
+        print(("\r" + text) if self._tty else text, end="" if self._tty else "\n",
+              file=self.stream, flush=True)
+        self.done += 1
+
+    def finish(self) -> None:
+        if self._tty:
+            print(file=self.stream, flush=True)
