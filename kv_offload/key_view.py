@@ -60,7 +60,10 @@ class KeyView:
     by `(hash, group)` tuples (each one tracked when created) they would be traversed
     entry by entry at every full collection (~50 ms per million keys; a set, ~150 ms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, report_storage_copies: bool = True) -> None:
+        # Whether a host key's copy in the storage tier is a change of its own (KV events
+        # announce both media); without it, a write-through costs no report entry.
+        self._storage_bit = _STORAGE if report_storage_copies else _ABSENT
         self._host: dict[int, dict[bytes | int, None]] = {}
         self._storage: dict[int, dict[bytes | int, None]] = {}
         self._reported: dict[int, dict[bytes | int, int]] = {}  # hash -> location code
@@ -112,8 +115,8 @@ class KeyView:
                 block_hash, _ = dirty.popitem()
                 # (int codes, not Location members: an Enum member hashes in Python code;
                 # a bit per tier, so a host key's write-through is a change too)
-                code = (_HOST if block_hash in host else _ABSENT) | \
-                    (_STORAGE if block_hash in storage else _ABSENT)
+                code = _HOST | (self._storage_bit if block_hash in storage else _ABSENT) \
+                    if block_hash in host else _STORAGE if block_hash in storage else _ABSENT
                 if group_reported.get(block_hash, _ABSENT) == code:
                     continue
                 changes.append(KeyChange((block_hash, group), _LOCATIONS[code],

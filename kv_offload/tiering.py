@@ -75,7 +75,8 @@ class TieredStore(LoadPipeline, StorePipeline):
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
                  storage: StorageTier | None = None, eviction_policy: str = "lru",
                  pin: bool | None = None, read_timeout_s: float = 30.0,
-                 staging_slots: int | None = None, store_stage_timeout_s: float = 1.0) -> None:
+                 staging_slots: int | None = None, store_stage_timeout_s: float = 1.0,
+                 report_storage_copies: bool = True) -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
@@ -83,7 +84,7 @@ class TieredStore(LoadPipeline, StorePipeline):
         self.store_stage_timeout_s = store_stage_timeout_s
         self.staging_slots = staging_slots or max(1, self.cpu.num_slots // 4)
         self.faults = FaultLog("kv-offload tiers")
-        self.view = KeyView()
+        self.view = KeyView(report_storage_copies=report_storage_copies)
         self._generation = FIRST_GENERATION
         self._ids = itertools.count(1)
         self._open: set[int] = set()  # jobs whose result is not delivered yet
@@ -99,12 +100,13 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
-                    fingerprint: str) -> TieredStore:
+                    fingerprint: str, *, report_storage_copies: bool = True) -> TieredStore:
         from kv_offload.backends import make_storage_tier
 
         storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
-                   eviction_policy=config.eviction_policy)
+                   eviction_policy=config.eviction_policy,
+                   report_storage_copies=report_storage_copies)
 
     # --- queries (memory only) ---
 

@@ -53,7 +53,7 @@ from kv_offload.serving.client import (
 from kv_offload.serving.metrics import OffloadCounters, ServerMetrics
 from kv_offload.serving.record import load_record, write_record
 
-_RESET_TRIES = 20  # in-flight stores hold blocks for a moment after a request ends
+_RESET_TRIES = 60  # vLLM refuses while blocks are held (a load in flight): 30 s on a busy host
 _METRICS_WAIT_S = 10.0  # the front end records a step's stats just after sending its outputs
 
 

@@ -34,7 +34,7 @@ from kv_offload.faults import FaultLog
 from kv_offload.startup_checks import check_startup
 from kv_offload.types import Location
 from kv_offload.vllm import stats as offload_stats
-from kv_offload.vllm.kv_events import make_kv_events
+from kv_offload.vllm.kv_events import kv_events_enabled, make_kv_events
 from kv_offload.vllm.mamba_states import check_mamba_servable
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler_side import OffloadScheduler
@@ -84,7 +84,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._groups = groups
             self._num_blocks = kv_cache_config.num_blocks
             self._worker = OffloadWorker(
-                self.config, rank, _fingerprint_extra(vllm_config, kv_cache_config, groups, rank))
+                self.config, rank, _fingerprint_extra(vllm_config, kv_cache_config, groups, rank),
+                report_storage_copies=kv_events_enabled(vllm_config))
             self._faults = self._worker.faults
 
     # ---------------- properties ----------------

@@ -260,10 +260,16 @@ def make_kv_events(vllm_config: Any, kv_cache_config: Any, hash_block_size: int,
     """A tracker when vLLM publishes KV events (`--kv-events-config` with
     `enable_kv_cache_events`), else the do-nothing `KVEvents`: with events off vLLM drains
     `take_events()` all the same, so nothing may accumulate."""
-    events_config = getattr(vllm_config, "kv_events_config", None)
-    if events_config is None or not events_config.enable_kv_cache_events:
+    if not kv_events_enabled(vllm_config):
         return KVEvents()
     return KVEventTracker(group_event_specs(kv_cache_config), hash_block_size, storage_name)
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (then the workers also report the storage copies
+    of host keys, which the "STORAGE" medium's events need)."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    return events_config is not None and bool(events_config.enable_kv_cache_events)
 
 
 def group_event_specs(kv_cache_config: Any) -> list[GroupEventSpec]:

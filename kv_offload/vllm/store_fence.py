@@ -52,7 +52,7 @@ class StoreFence:
         stores = self._in_flight.setdefault(request_id, deque())
         while stores and stores[0][0] <= reflected:  # copied out: no longer a hazard
             stores.popleft()
-        stores.append((step, list(block_ids)))
+        stores.append((step, block_ids))  # (the caller's list: never changed after)
 
     def freed(self, request_id: str, reflected: int) -> None:
         """vLLM frees this request's blocks (finished or preempted); `reflected`: the last
@@ -78,10 +78,8 @@ class StoreFence:
             self._wait_once = False
             if self._last_store_step > reflected:
                 return True
-        fenced = self._fenced
-        return bool(fenced) and any(block_id in fenced for block_id in allocated)
+        return bool(self._fenced) and not self._fenced.keys().isdisjoint(allocated)
 
     def _fence(self, step: int, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            self._fenced[block_id] = step
-        self._expiry.append((step, list(block_ids)))
+        self._fenced.update(dict.fromkeys(block_ids, step))
+        self._expiry.append((step, block_ids))

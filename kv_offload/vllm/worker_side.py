@@ -87,8 +87,11 @@ class OffloadWorker:
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
-                 copy_timeout_s: float = 30.0) -> None:
+                 copy_timeout_s: float = 30.0, report_storage_copies: bool = False) -> None:
         self.config = config
+        # KV events announce a host key's storage copy too: one more report entry per key
+        # written through, so only when vLLM publishes events.
+        self.report_storage_copies = report_storage_copies
         self.rank = rank
         self.fingerprint_extra = fingerprint_extra
         self.copy_timeout_s = copy_timeout_s
@@ -117,7 +120,9 @@ class OffloadWorker:
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
         with spread_threads():  # our threads: off the cores vLLM pinned the forward to
-            self.store = TieredStore.from_config(self.canonical, self.config, fingerprint)
+            self.store = TieredStore.from_config(
+                self.canonical, self.config, fingerprint,
+                report_storage_copies=self.report_storage_copies)
             self._pump = threading.Thread(target=self._run_pump, daemon=True,
                                           name=f"kv-offload-pump-{self.rank}")
             self._pump.start()

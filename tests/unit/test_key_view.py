@@ -83,3 +83,16 @@ def test_a_full_collection_skips_the_keys_held():
     for held in (view._host, view._storage, view._dirty, view._reported):  # per group
         assert held and not any(gc.is_tracked(hashes) for hashes in held.values())
     assert len(view.take(len(more)).changes) == len(more)
+
+
+def test_without_events_a_host_keys_write_through_costs_no_report_entry():
+    """(KV events off: the scheduler needs only where a key can be loaded from.)"""
+    for report_copies, expected in ((True, [(Location.HOST, True)]), (False, [])):
+        view = KeyView(report_storage_copies=report_copies)
+        view.host_added([(b"k", 0)])
+        assert [(c.location, c.in_storage) for c in view.take(10).changes] == \
+            [(Location.HOST, False)]
+        view.storage_added([(b"k", 0)])  # its write-through lands
+        assert [(c.location, c.in_storage) for c in view.take(10).changes] == expected
+        view.host_removed([(b"k", 0)])  # evicted from host memory: still on disk
+        assert [c.location for c in view.take(10).changes] == [Location.STORAGE]
