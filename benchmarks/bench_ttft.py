@@ -44,6 +44,11 @@ from typing import Any
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MODEL_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4}
+# --arch: the model family and its sizes. qwen3_next: GatedDeltaNet layers with a full
+# attention layer every 4th (a Mamba-type hybrid; vLLM picks its own unified block size).
+ARCHS = {"llama": ("Llama-like", MODEL_SIZES),
+         "qwen3_next": ("Qwen3-Next-like", {"layers": 8, "hidden": 1024, "heads": 16,
+                                             "kv_heads": 4, "linear_heads": 2})}
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
 PASSES = ("cold_no_connector", "cold_with_connector", "host", "disk")
 GOALS = {"host": 0.15, "disk": 0.3}  # TTFT ratio to recompute, from the issue
@@ -91,7 +96,9 @@ def _child(spec_path: Path) -> int:
                                if v - hits_before.get(k, 0)},
         })
     Path(spec["result_path"]).write_text(json.dumps(
-        {"engine_start_s": engine_start_s, "samples": samples}))
+        {"engine_start_s": engine_start_s, "samples": samples,
+         # hybrids: vLLM grows the block until the attention page covers the state
+         "block_size": llm.llm_engine.vllm_config.cache_config.block_size}))
     # vLLM's finalizers call the connector's shutdown, which flushes pending disk writes
     # before a later engine process reads them.
     del llm
@@ -108,15 +115,16 @@ def _hits_by_source(llm: Any) -> dict[str, float]:
 def _model_dir(args: argparse.Namespace) -> Path:
     """The benchmark model: `--model-dir` if it holds one, else built there (or in a cache)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kv-offload"
-    path = args.model_dir or default / "bench-ttft-model"
+    suffix = "" if args.arch == "llama" else f"-{args.arch}"
+    path = args.model_dir or default / f"bench-ttft-model{suffix}"
     if (path / "config.json").exists():
         return path
-    from kv_offload.testing.tiny_models import build_llama
+    from kv_offload.testing.tiny_models import BUILDERS
 
     print(f"building the benchmark model in {path} ...", flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(path.parent)))
-    build_llama(building, max_positions=max(4096, _max_model_len(args.prompt_tokens)),
-                **MODEL_SIZES)
+    BUILDERS[args.arch](building, max_positions=max(4096, _max_model_len(args.prompt_tokens)),
+                        **ARCHS[args.arch][1])
     building.rename(path)  # whole or absent: an interrupted build leaves no half model
     return path
 
@@ -187,11 +195,12 @@ def _run_child(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
     return json.loads(result_path.read_text())
 
 
-def _summarise(samples: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
+def _summarise(samples: list[dict[str, Any]], prompt_tokens: int,
+               block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     measured = [s for s in samples if not s["warmup"]]
     reference = {s["prompt_index"]: s["token_ids"] for s in measured
                  if s["pass"] == "cold_no_connector"}
-    min_cached = prompt_tokens - BLOCK_SIZE
+    min_cached = prompt_tokens - block_size
     passes: dict[str, Any] = {}
     problems: list[str] = []
     for name in PASSES:
@@ -229,7 +238,7 @@ def _summarise(samples: list[dict[str, Any]], prompt_tokens: int) -> dict[str, A
 
 def _print_table(summary: dict[str, Any], args: argparse.Namespace, starts: dict) -> None:
     print(f"\nTTFT, {args.prompts} prompts x {args.prompt_tokens} tokens, max_tokens=1, "
-          f"Llama-like {MODEL_SIZES}; engine start "
+          f"{ARCHS[args.arch][0]} {ARCHS[args.arch][1]}; engine start "
           + ", ".join(f"{k} {v:.1f} s" for k, v in starts.items()) + "\n")
     header = ("pass", "median TTFT (wall)", "min", "vLLM TTFT", "x recompute", "goal",
               "cached tokens", "served from", "same token")
@@ -274,18 +283,20 @@ def run(args: argparse.Namespace) -> int:
             load_before = os.getloadavg()[0]
             out = _run_child(name, spec, work)
             starts[name] = out["engine_start_s"]
+            block_size = out.get("block_size", BLOCK_SIZE)
             loads[name] = [load_before, os.getloadavg()[0]]
             results += [{**s, "engine": name} for s in out["samples"]]
     finally:
         if args.work_dir is None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    summary = _summarise(results, args.prompt_tokens)
+    summary = _summarise(results, args.prompt_tokens, block_size)
     _print_table(summary, args, starts)
     print("1-min load average before/after each engine (2 shared cores): "
           + ", ".join(f"{k} {a:.1f}/{b:.1f}" for k, (a, b) in loads.items()))
     if args.json:
         args.json.write_text(json.dumps({
-            "model": {"path": str(model), **MODEL_SIZES}, "num_prompts": args.prompts,
+            "model": {"path": str(model), "arch": args.arch, **ARCHS[args.arch][1]},
+            "num_prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "settle_s": args.settle_s,
             "goals": GOALS,
             "connector_extra_config": CONNECTOR_EXTRA, "engine_start_s": starts,
@@ -300,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path,
                         help="model directory to reuse, or where to build it "
                              "(default ~/.cache/kv-offload/bench-ttft-model)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama",
+                        help="model family (default llama; qwen3_next: a Mamba-type hybrid)")
     parser.add_argument("--prompts", type=int, default=3, help="distinct prompts (default 3)")
     parser.add_argument("--prompt-tokens", type=int, default=2000,
                         help="tokens per prompt (default 2000)")

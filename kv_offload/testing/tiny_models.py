@@ -22,7 +22,8 @@ from kv_offload.testing.tiny_vocab import (
     word_prompt,
 )
 
-__all__ = ["BUILDERS", "build_gemma3", "build_llama", "word_prompt"]
+__all__ = ["BUILDERS", "build_gemma3", "build_granite_hybrid", "build_llama", "build_qwen3_next",
+           "word_prompt"]
 
 
 def _save_tokenizer(path: Path) -> None:
@@ -146,4 +147,144 @@ def build_gemma3(
     return _save(model, Path(path))
 
 
-BUILDERS: dict[str, Callable[..., Path]] = {"llama": build_llama, "gemma3": build_gemma3}
+def _strengthen_recurrence(model: Any, *, a_log: float, input_scale: float) -> None:
+    """Make the recurrent layers' state matter to the output.
+
+    With default random weights a GatedDeltaNet / Mamba2 layer forgets its state within a few
+    tokens and its input projection is tiny, so a model whose state was never restored decodes
+    almost like one whose state was: a test could not tell. A very negative `A_log` slows the
+    decay (the state carries over the whole prompt) and `input_scale` enlarges what enters it.
+    """
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".A_log"):
+                param.fill_(a_log)
+            elif name.endswith(("in_proj_qkvz.weight", "in_proj.weight")):
+                param.mul_(input_scale)
+
+
+def build_qwen3_next(
+    path: str | Path,
+    *,
+    layers: int = 4,
+    full_attention_every: int = 4,
+    hidden: int = 128,
+    # Wide attention pages keep the unified block small (vLLM grows the attention block
+    # until its page covers the recurrent state): 64 tokens with these defaults.
+    heads: int = 8,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    linear_heads: int = 1,
+    linear_head_dim: int = 128,  # vLLM's CPU GatedDeltaNet kernel rejects 32
+    experts: int = 4,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    a_log: float = -6.0,
+    input_scale: float = 8.0,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """A Qwen3-Next-like hybrid: GatedDeltaNet (linear attention) layers with a full-attention
+    layer every `full_attention_every`-th, small sparse-MoE MLPs. vLLM builds a Mamba-type
+    group (`gdn_attention`) and an attention group. The recurrence is strengthened
+    (`a_log`, `input_scale`) so a state that is not restored changes the output."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    layer_types = [
+        "full_attention" if (i + 1) % full_attention_every == 0 else "linear_attention"
+        for i in range(layers)
+    ]
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=linear_heads,
+        linear_num_value_heads=2 * linear_heads,
+        linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim,
+        # vLLM's Qwen3-Next needs sparse-MoE layers: a few small experts.
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=intermediate or 2 * hidden,
+        shared_expert_intermediate_size=intermediate or 2 * hidden,
+        layer_types=layer_types,
+        max_position_embeddings=max_positions,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3NextForCausalLM"]
+    model = Qwen3NextForCausalLM(config)
+    _strengthen_recurrence(model, a_log=a_log, input_scale=input_scale)
+    return _save(model.to(_torch_dtype(dtype)), Path(path))
+
+
+def build_granite_hybrid(
+    path: str | Path,
+    *,
+    layers: int = 4,
+    full_attention_every: int = 4,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    mamba_heads: int = 4,
+    mamba_head_dim: int = 32,
+    mamba_state: int = 16,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    a_log: float = -6.0,
+    input_scale: float = 8.0,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """A Granite-4-like hybrid: Mamba2 layers with a full-attention layer every
+    `full_attention_every`-th, dense MLPs. vLLM builds a Mamba2 group and an attention
+    group; on vLLM CPU it needs `max_num_batched_tokens == block_size` (see the README)."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(seed)
+    layer_types = [
+        "full_attention" if (i + 1) % full_attention_every == 0 else "linear_attention"
+        for i in range(layers)
+    ]
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        shared_intermediate_size=intermediate or 2 * hidden,
+        num_local_experts=0,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        layer_types=layer_types,
+        mamba_n_heads=mamba_heads,
+        mamba_d_head=mamba_head_dim,
+        mamba_n_groups=1,
+        mamba_d_state=mamba_state,
+        mamba_expand=mamba_heads * mamba_head_dim // hidden,
+        position_embedding_type="rope",
+        max_position_embeddings=max_positions,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    model = GraniteMoeHybridForCausalLM(config)
+    _strengthen_recurrence(model, a_log=a_log, input_scale=input_scale)
+    return _save(model.to(_torch_dtype(dtype)), Path(path))
+
+
+BUILDERS: dict[str, Callable[..., Path]] = {"llama": build_llama, "gemma3": build_gemma3,
+                                            "qwen3_next": build_qwen3_next,
+                                            "granite_hybrid": build_granite_hybrid}

@@ -31,11 +31,11 @@ from kv_offload.backends import storage_choice
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.faults import FaultLog
-from kv_offload.specs import MambaSpec
 from kv_offload.startup_checks import check_startup
 from kv_offload.types import Location
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.kv_events import kv_events_enabled, make_kv_events
+from kv_offload.vllm.mamba_states import check_mamba_servable
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler_side import OffloadScheduler
 from kv_offload.vllm.spec_translation import translate_groups
@@ -62,7 +62,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         _require_recompute_on_failure(transfer_config)
         _refuse_unsupported(vllm_config)
         groups = translate_groups(kv_cache_config)
-        _refuse_mamba(groups)
+        check_mamba_servable(groups, vllm_config)
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
         self.config.check_engine_block_size(hash_block_size)
         parallel = vllm_config.parallel_config
@@ -317,19 +317,6 @@ def _refuse_unsupported(vllm_config: Any) -> None:
         if size > 1:
             raise ConfigError(f"KVOffloadConnector does not support {name}={size} yet; "
                               "run without context parallelism")
-
-
-def _refuse_mamba(groups: list) -> None:
-    """vLLM 0.32 keeps Mamba prefix-cache states at positions it may move or null after
-    the fact ('align' mode, speculative blocks), so a block index does not name a state
-    the connector could store safely. Refuse rather than serve a wrong state."""
-    for index, group in enumerate(groups):
-        if isinstance(group.spec, MambaSpec):
-            raise ConfigError(
-                f"KV-cache group {index} (layers {group.layer_names[:3]}...) is Mamba: the vLLM "
-                "connector does not offload Mamba states yet (vLLM 0.32 moves them between "
-                "blocks after they are written); attention-only and sliding-window hybrids "
-                "are supported")
 
 
 def _warn_if_hashes_are_per_process(vllm_config: Any) -> None:

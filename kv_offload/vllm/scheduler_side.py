@@ -27,6 +27,7 @@ from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import GroupBlocks, Location
 from kv_offload.vllm.kv_events import KVEvents
+from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import HOST_BIT, RankKeys
 from kv_offload.vllm.report_lag import ReportLag
@@ -76,6 +77,8 @@ class OffloadScheduler:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
         self._keys = RankKeys(world_size)  # where each rank holds each key
+        # Mamba-type groups store the states vLLM offers, not blocks by position.
+        self._states = BoundaryStateStores(specs, hash_block_size)
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
@@ -152,6 +155,9 @@ class OffloadScheduler:
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
         allocated = self._track_block_ids(scheduler_output)
+        # vLLM's copy-on-write of Mamba partial hits writes its destination block too.
+        allocated.extend(copy.dst_block_id for copy in
+                         getattr(scheduler_output, "kv_cache_block_copies", None) or ())
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if preempted is None:  # (not told which: any store in flight may read a freed block)
             self._fence.unknown_free()
@@ -166,13 +172,17 @@ class OffloadScheduler:
             not scheduler_output.total_num_scheduled_tokens
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        done_by_request: dict[str, int] = {}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
             state.loading = False  # it runs: vLLM saw its load end (even if we missed that)
             done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
+            done_by_request[req_id] = done
             self._plan_stores(state, done, stores)
+        if self._states.groups:
+            self._plan_state_stores(scheduler_output, done_by_request, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
                                  stores=stores, reset=self._reset,
                                  step=self._step, wait_for_stores=wait_for_stores)
@@ -208,6 +218,22 @@ class OffloadScheduler:
                     group_ids.extend(more)
         return allocated
 
+    def _plan_state_stores(self, scheduler_output: Any, done_by_request: dict[str, int],
+                           stores: GroupBlocks) -> None:
+        """The Mamba-type states vLLM offers this step (see mamba_states.py)."""
+        def request_of(req_id: str) -> Any:
+            state = self._requests.get(req_id)
+            return None if state is None or state.stores_off else state.request
+
+        added = self._states.plan(
+            offers_of(scheduler_output), request_of, done_by_request.get,
+            lambda block_hash, g: self._keys.held_by_all((block_hash, g)), stores)
+        for offer in added:  # vLLM frees and reuses state blocks while requests run
+            self._fence.stored(self._step, offer.request_id, offer.group, [offer.block_id],
+                               self._lag.reflected)
+            self.events.record_blocks(self._requests[offer.request_id].request, offer.group,
+                                      [offer.tokens // self.specs[offer.group].block_size - 1])
+
     def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
         """Add the blocks of this request that became worth storing (linear over the
         request's life: each group's `StoreFrontier` decides each block once)."""
@@ -220,6 +246,8 @@ class OffloadScheduler:
         hashes = request.block_hashes
         num_hashes = len(hashes)
         for g, spec in enumerate(self.specs):
+            if g in self._states.groups:
+                continue  # stored from vLLM's offers (_plan_state_stores)
             per_block = spec.block_size // self.hash_block_size
             block_ids = state.block_ids[g] if g < len(state.block_ids) else []
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
@@ -253,8 +281,10 @@ class OffloadScheduler:
                 hashes_out.extend(step_hashes)
                 ids_out.extend(step_ids)
                 self.events.record_blocks(request, g, new)
-        state.next_store_tokens = min(frontier.next_hit_point * spec.block_size
-                                      for frontier, spec in zip(state.frontiers, self.specs))
+        state.next_store_tokens = min(
+            (frontier.next_hit_point * spec.block_size
+             for g, (frontier, spec) in enumerate(zip(state.frontiers, self.specs))
+             if g not in self._states.groups), default=1 << 62)
 
     # --- worker reports and request ends ---
 

@@ -2,9 +2,10 @@
 
 Usage: python vllm_runner.py SPEC.json
 The spec names a model directory, prompts, engine settings and a list of passes; every pass
-sends all prompts, or its own `prompts` (greedy), and may first reset vLLM's own prefix cache.
-The last stdout line starting with RESULT_MARKER carries the results, so vLLM's logging
-cannot corrupt them. `linger_s`: seconds to wait before returning (event publishers drain).
+sends all prompts, or its own `prompts` (greedy; `one_at_a_time`: batches of one), and may
+first reset vLLM's own prefix cache. The last stdout line starting with RESULT_MARKER carries
+the results, so vLLM's logging cannot corrupt them. `linger_s`: seconds to wait before
+returning (event publishers drain).
 Kept separate from pytest so engine processes, threads and env settings never leak into it.
 """
 
@@ -51,8 +52,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if pass_spec.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
         t0 = time.perf_counter()
-        outputs = llm.generate(pass_spec.get("prompts", spec["prompts"]), params,
-                               use_tqdm=False)
+        prompts = pass_spec.get("prompts", spec["prompts"])  # a pass may send its own
+        if pass_spec.get("one_at_a_time"):  # batches of one: numerics independent of timing
+            outputs = [out for prompt in prompts
+                       for out in llm.generate([prompt], params, use_tqdm=False)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         passes.append(
             {
                 "seconds": time.perf_counter() - t0,
