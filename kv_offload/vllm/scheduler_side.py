@@ -26,6 +26,7 @@ from typing import Any
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import GroupBlocks, Location
+from kv_offload.vllm.block_tables import track_block_ids
 from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
@@ -92,6 +93,7 @@ class OffloadScheduler:
         # Blocks stores may still read that vLLM freed: reallocating one makes the next
         # forward wait for the stores in flight.
         self._fence = StoreFence(specs)
+        self._allocated: list[int] = []  # blocks given to requests since the last step
 
     # --- hits ---
 
@@ -131,6 +133,8 @@ class OffloadScheduler:
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                     num_external_tokens: int) -> None:
         """Plan the load of a hit into the blocks vLLM just allocated for it."""
+        for ids in block_ids:  # (vLLM may zero them before the next forward)
+            self._allocated.extend(ids)
         pending = self._pending_hits.pop(request.request_id, None)
         if num_external_tokens == 0 or pending is None:
             return
@@ -154,17 +158,14 @@ class OffloadScheduler:
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
-        allocated = self._track_block_ids(scheduler_output)
-        # vLLM's copy-on-write of Mamba partial hits writes its destination block too.
-        allocated.extend(copy.dst_block_id for copy in
-                         getattr(scheduler_output, "kv_cache_block_copies", None) or ())
+        allocated = track_block_ids(scheduler_output, self._requests)
+        allocated += self._allocated  # blocks vLLM gave loading requests since the last step
+        self._allocated = []
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if preempted is None:  # (not told which: any store in flight may read a freed block)
             self._fence.unknown_free()
         for req_id in preempted or ():
             self._fence.freed(req_id, self._lag.reflected)
-        for plan in self._loads.values():  # a load writes blocks allocated for it
-            allocated.extend(block_id for _, ids in plan.values() for block_id in ids)
         # A step without a forward (e.g. the one telling the workers which requests ended)
         # delays nothing by waiting: the stores in flight settle, so its report and stats
         # show them even if the engine then goes idle.
@@ -191,32 +192,6 @@ class OffloadScheduler:
         self._loads, self._failed_loads, self._reset = {}, [], False
         self._step += 1
         return meta
-
-    def _track_block_ids(self, scheduler_output: Any) -> list[int]:
-        """Follow the block tables of scheduled requests; returns the block ids that vLLM
-        gave them in this step (a new or resumed request's whole table)."""
-        allocated: list[int] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            for ids in new.block_ids:
-                allocated.extend(ids)
-            state = self._requests.get(new.req_id)
-            if state is not None:
-                state.block_ids = [list(ids) for ids in new.block_ids]
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if new_ids is None:
-                continue
-            for ids in new_ids:
-                allocated.extend(ids)
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = [list(ids) for ids in new_ids]
-            else:
-                for group_ids, more in zip(state.block_ids, new_ids):
-                    group_ids.extend(more)
-        return allocated
 
     def _plan_state_stores(self, scheduler_output: Any, done_by_request: dict[str, int],
                            stores: GroupBlocks) -> None:

@@ -220,3 +220,24 @@ def test_the_fence_waits_whenever_a_reallocated_block_may_still_be_read(make_req
         report(sched, 0, reflected_step=copied_through)
     assert needed > 0  # the workload did exercise the hazard
     assert waits <= 3 * needed + 5  # and the fence is not simply always on
+
+
+def test_a_block_vllm_zeroes_or_copies_into_waits_if_a_store_may_read_it(make_request):
+    """vLLM zeroes fresh blocks and runs copy-on-write copies before the forward (after
+    `handle_preemptions`): those writes count as much as a request's own."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    for extra in ({"new_block_ids_to_zero": [2]},
+                  {"kv_cache_block_copies": [KVCacheBlockCopy(30, 2)]}):
+        sched = full_attention()
+        _ready(sched)
+        first = make_request("a", 3 * BLOCK + 1)
+        sched.num_new_matched_tokens(first, 0)
+        _prefill(sched, first, [1, 2, 3, 4])
+        sched.request_finished("a")
+        step = output(scheduled=BUSY)
+        assert not sched.build_meta(step).wait_for_stores
+        step = output(scheduled=BUSY)
+        for name, value in extra.items():
+            setattr(step, name, value)
+        assert sched.build_meta(step).wait_for_stores, extra
