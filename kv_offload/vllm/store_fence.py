@@ -17,7 +17,7 @@ blocks first, and a just-freed block comes back soon only when the cache is near
 
 Costs: `stored` O(blocks stored), `freed` O(that request's blocks stored since its stores
 were last reported copied out),
-`must_wait` O(blocks allocated this step + entries that expired). Nothing scans all blocks.
+`must_wait` O(blocks allocated in the step). Nothing scans all blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ class StoreFence:
         # local, Mamba) rather than keeping all of them (full attention).
         self.frees_while_running = [not isinstance(spec, FullAttentionSpec) for spec in specs]
         self._in_flight: dict[str, deque[tuple[int, list[int]]]] = {}  # request -> stores
-        self._fenced: dict[int, int] = {}  # freed block id -> last step storing it
-        self._expiry: deque[tuple[int, list[int]]] = deque()  # (step, fenced block ids)
+        # Block id -> the last step storing it, for blocks vLLM may free: a hazard while that
+        # step is not yet reflected. Never pruned: it holds at most one entry per engine
+        # block (ids are reused), and a stale entry is just an old step.
+        self._fenced: dict[int, int] = {}
         self._last_store_step = -1
         self._wait_once = False
 
@@ -69,17 +71,14 @@ class StoreFence:
     def must_wait(self, allocated: Iterable[int], reflected: int) -> bool:
         """Whether this step's forward must wait for the stores in flight: a block
         `allocated` in this step may still be read by one."""
-        while self._expiry and self._expiry[0][0] <= reflected:
-            step, block_ids = self._expiry.popleft()
-            for block_id in block_ids:
-                if self._fenced.get(block_id) == step:
-                    del self._fenced[block_id]
         if self._wait_once:
             self._wait_once = False
             if self._last_store_step > reflected:
                 return True
-        return bool(self._fenced) and not self._fenced.keys().isdisjoint(allocated)
+        if self._last_store_step <= reflected:
+            return False  # every store so far is copied out
+        step_of = self._fenced.get  # (O(blocks allocated in this step))
+        return any(step_of(block_id, -1) > reflected for block_id in allocated)
 
     def _fence(self, step: int, block_ids: list[int]) -> None:
         self._fenced.update(dict.fromkeys(block_ids, step))
-        self._expiry.append((step, block_ids))
