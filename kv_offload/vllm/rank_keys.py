@@ -43,15 +43,19 @@ class RankKeys:
         held = self._ranks.get(rank)
         if held is None or reset:
             held = self._ranks[rank] = {}
+        absent, host = Location.ABSENT, Location.HOST  # (locals: this loop runs per key)
+        last_group, hashes = None, None
         for change in changes:
             block_hash, group = change.key
-            hashes = held.get(group)
-            if hashes is None:
-                hashes = held[group] = {}
+            if group != last_group:
+                hashes = held.get(group)
+                if hashes is None:
+                    hashes = held[group] = {}
+                last_group = group
             location = change.location
-            if location is Location.ABSENT:
+            if location is absent:
                 hashes.pop(block_hash, None)
-            elif location is Location.HOST:
+            elif location is host:
                 hashes[block_hash] = HOST_BIT | STORAGE_BIT if change.in_storage else HOST_BIT
             else:
                 hashes[block_hash] = STORAGE_BIT
