@@ -95,7 +95,12 @@ def events_run(tiny_models, tmp_path_factory) -> dict[str, Any]:
     with Subscriber() as subscriber:
         spec = {
             "model": str(tiny_models["llama"]), "max_tokens": 4, "prompts": PROMPTS,
-            "passes": [{"prompts": [prompt]} for prompt in PROMPTS], "linger_s": 2.0,
+            # After each prompt: its write-through to disk ends while the engine idles (the
+            # workers report at steps), then a prompt shorter than a block (it stores and
+            # evicts nothing) makes the engine step, so the report shows where it is.
+            "passes": [{"prompts": [prompt], "settle_s": 1.0,
+                        "settle_prompt": word_prompt(6, offset=900)} for prompt in PROMPTS],
+            "linger_s": 2.0,
             "engine_args": {
                 "kv_transfer_config": {
                     "kv_connector": "KVOffloadConnector",

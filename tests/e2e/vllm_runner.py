@@ -58,9 +58,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                        for out in llm.generate([prompt], params, use_tqdm=False)]
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        if pass_spec.get("settle_s"):  # background writes end, then a step reports them
+            time.sleep(pass_spec["settle_s"])
+            llm.generate([pass_spec["settle_prompt"]], params, use_tqdm=False)
         passes.append(
             {
-                "seconds": time.perf_counter() - t0,
+                "seconds": seconds,
                 "requests": [
                     {
                         "prompt_len": len(out.prompt_token_ids),
