@@ -1,7 +1,9 @@
 """`kv-offload demo`: the KV cache served back from host memory and from disk, on this machine.
 
-Builds a small local Llama-like model (random weights, no download, cached under
-~/.cache/kv-offload), then runs the real vLLM engine with KVOffloadConnector over the same long
+Builds a small local model (random weights, no download, cached under ~/.cache/kv-offload):
+Llama-like (`--model llama`, the default) or a Qwen3-Next-like hybrid of GatedDeltaNet and
+full-attention layers (`--model qwen3_next`: its recurrent state is offloaded beside the
+attention blocks), then runs the real vLLM engine with KVOffloadConnector over the same long
 prompts three times:
 
   cold     first pass, every token is computed (and stored by the connector);
@@ -34,6 +36,15 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2},
     "small": {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4},
 }
+# The models `--model` builds (builders in kv_offload.testing.tiny_models) and their sizes.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"builder": "build_llama", "title": "Llama-like", "sizes": MODEL_SIZES},
+    # GatedDeltaNet layers with a full-attention layer every 4th; vLLM grows the blocks of
+    # this hybrid to 64 tokens so the attention page covers the recurrent state.
+    "qwen3_next": {"builder": "build_qwen3_next", "title": "Qwen3-Next-like hybrid",
+                   "sizes": {"tiny": {"layers": 4, "hidden": 128},
+                             "small": {"layers": 8, "hidden": 256}}},
+}
 DEFAULT_PROMPT_TOKENS = {"tiny": 300, "small": 1500}
 ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB", "fs_bytes_to_use": "4GiB"}
@@ -55,6 +66,8 @@ class PassResult:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama",
+                        help="the architecture of the local model (default: llama)")
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
                         help="size of the local random-weight model (default: small)")
     parser.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
@@ -72,20 +85,22 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the results to this file ('-': stdout)")
 
 
-def model_dir(size: str, cache_dir: Path | None = None) -> Path:
-    """The demo model for `size`, built on first use (and rebuilt if its sizes changed)."""
+def model_dir(size: str, cache_dir: Path | None = None, model: str = "llama") -> Path:
+    """The demo model of architecture `model` and `size`, built on first use (and rebuilt
+    if its sizes changed)."""
+    from kv_offload.testing import tiny_models
+
     default_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kv-offload"
     root = cache_dir or default_root
-    path = root / f"demo-model-{size}"
+    path = root / (f"demo-model-{size}" if model == "llama" else f"demo-model-{model}-{size}")
     marker = path / "kv_offload_demo.json"
-    sizes = MODEL_SIZES[size]
+    sizes = MODELS[model]["sizes"][size]
     if marker.exists() and json.loads(marker.read_text()) == sizes:
         return path
-    from kv_offload.testing.tiny_models import build_llama
-
-    print(f"building the {size} demo model in {path} ...", file=sys.stderr, flush=True)
+    build = getattr(tiny_models, MODELS[model]["builder"])
+    print(f"building the {size} {model} demo model in {path} ...", file=sys.stderr, flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(root)))
-    build_llama(building, max_positions=4096, **sizes)
+    build(building, max_positions=4096, **sizes)
     (building / marker.name).write_text(json.dumps(sizes))
     shutil.rmtree(path, ignore_errors=True)
     building.rename(path)  # whole or absent: an interrupted build leaves no half model
@@ -115,8 +130,8 @@ def run_demo(args: argparse.Namespace) -> int:
     prompts = [word_prompt(prompt_tokens, offset=101 * i) for i in range(args.prompts)]
     warmup_prompts = [word_prompt(prompt_tokens, offset=101 * i + 50) for i in range(args.prompts)]
     progress = Progress(3, "demo")
-    progress.step(f"the {args.model_size} model")
-    model = model_dir(args.model_size, args.cache_dir)
+    progress.step(f"the {args.model_size} {args.model} model")
+    model = model_dir(args.model_size, args.cache_dir, args.model)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-demo-"))
     try:
         transfer = None if args.no_connector else kv_transfer_config(_mkdir(work / "disk"))
@@ -139,7 +154,8 @@ def run_demo(args: argparse.Namespace) -> int:
     results = _pass_results(first["passes"] + second["passes"], args.no_connector)
     same = all(r.identical for r in results)
     document = envelope("demo", {
-        "model": {"path": str(model), "size": args.model_size, **MODEL_SIZES[args.model_size]},
+        "model": {"path": str(model), "architecture": args.model, "size": args.model_size,
+                  **MODELS[args.model]["sizes"][args.model_size]},
         "connector": not args.no_connector,
         "kv_transfer_config": transfer,
         "num_prompts": args.prompts,
@@ -191,13 +207,13 @@ def _pass_results(passes: list[dict[str, Any]], no_connector: bool) -> list[Pass
 
 def _table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: int,
            runs: list[dict[str, Any]]) -> Table:
-    sizes = MODEL_SIZES[args.model_size]
+    sizes = MODELS[args.model]["sizes"][args.model_size]
     mode = "without connector (baseline)" if args.no_connector else "with KVOffloadConnector"
     table = Table(
         f"kv-offload demo, {mode}: {args.prompts} prompts x {prompt_tokens} tokens, "
-        f"{args.max_tokens} generated each, greedy; Llama-like {sizes['layers']} layers, "
-        f"hidden {sizes['hidden']} (engine start {runs[0]['engine_start_s']:.1f} s, "
-        f"{runs[1]['engine_start_s']:.1f} s)",
+        f"{args.max_tokens} generated each, greedy; {MODELS[args.model]['title']} "
+        f"{sizes['layers']} layers, hidden {sizes['hidden']} "
+        f"(engine start {runs[0]['engine_start_s']:.1f} s, {runs[1]['engine_start_s']:.1f} s)",
         ("pass", "engine", "source", "prompt tokens", "from cache", "seconds", "speed-up",
          "same output"))
     for r in results:

@@ -77,6 +77,18 @@ def test_demo_with_connector_serves_cpu_and_disk_passes(cache_dir, tmp_path):
     assert any((tmp_path / "work" / "disk").rglob("*")), "the disk tier wrote nothing"
 
 
+@pytest.mark.e2e
+def test_demo_serves_a_qwen3_next_like_hybrid_with_its_recurrent_state(cache_dir, tmp_path):
+    """`--model qwen3_next`: GatedDeltaNet layers beside full attention; the recurrent
+    state is stored and loaded with the attention blocks (vLLM's 64-token blocks here)."""
+    result = _run_demo(cache_dir, tmp_path, "--model", "qwen3_next")
+    _check_common(result)
+    assert result["model"]["architecture"] == "qwen3_next"
+    cached = [p["cached_tokens"] for p in result["passes"]]
+    assert cached[0] == 0
+    assert cached[1] == cached[2] == NUM_PROMPTS * cacheable_prefix(PROMPT_TOKENS, 64)
+
+
 def test_pass_results_flag_outputs_that_differ_from_the_cold_pass():
     def pass_(name: str, tokens: list[int], seconds: float) -> dict[str, Any]:
         return {"name": name, "seconds": seconds, "requests": [
