@@ -164,17 +164,19 @@ def test_corrupted_disk_files_are_recomputed(runs, tiny_models, model):
 
 def test_tensor_parallel_2_host_tier(tiny_models, tmp_path):
     """TP=2 (two worker processes, each with its own shard and pool): after the engine cache
-    reset, both ranks serve the whole prefix, and the tokens match the cold pass. (TP=2 is
-    compared with itself: its all-reduce rounds differently from TP=1 in bf16.)"""
+    reset, both ranks serve the whole prefix: the tokens match the cold pass, tokens and
+    logprobs match a pass served by vLLM's own cache. (TP=2 is compared with itself: its
+    all-reduce rounds differently from TP=1 in bf16.)"""
     result = run_engine(
-        spec(tiny_models["llama"], [{}, {"reset_prefix_cache": True}],
+        spec(tiny_models["llama"], [{}, {}, {"reset_prefix_cache": True}],
              connector_config(None), engine_args={"tensor_parallel_size": 2}),
         tmp_path / "tp2", multiprocess=True,
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout_s=600)
-    cold, from_host = result["passes"]
+    cold, engine_cached, from_host = result["passes"]  # (the 2nd: vLLM's own cache)
     assert cached(cold) == [0] * len(PROMPTS)
-    assert outputs(from_host) == outputs(cold)
-    assert cached(from_host) == full_prefixes(from_host)
+    assert cached(from_host) == cached(engine_cached) == full_prefixes(from_host)
+    assert outputs(from_host) == outputs(engine_cached)  # like for like
+    assert token_ids(from_host) == token_ids(cold)
 
 
 def test_preemption_under_memory_pressure_keeps_outputs_identical(tiny_models, tmp_path):
