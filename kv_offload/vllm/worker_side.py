@@ -14,10 +14,12 @@ once per episode. Every load is reported to vLLM exactly once: the job registry 
 result over only while the job is registered.
 
 The engine's thread only records what to do (and, on a GPU, an event on its stream); the
-pump thread stages the copies and drains results, and it does so while a forward runs: it
-leaves the engine's thread the lock and Python's GIL between a forward's end
-(`start_stores`) and the next forward's start (`start_loads`), when vLLM schedules, for at
-most `_YIELD_TO_ENGINE_S`.
+pump thread stages the copies and drains results. After a forward (`start_stores`, which
+vLLM calls after the step's async `start_load_kv`) the engine's thread schedules the next
+step: the pump leaves it the lock and Python's GIL then, but never for longer than
+`_YIELD_TO_ENGINE_S` since its own last round, and new loads run at once. (A yield that
+restarts at every step would starve the pump while the engine steps without a forward,
+e.g. while its only request waits for our load: nothing would ever finish.)
 
 Engine memory is only read by stores and written by loads:
 - a store copies blocks the step's forward completed, during the next forward. vLLM may
@@ -60,8 +62,7 @@ REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (in
 _TAKE_PER_ROUND = 512
 _PUMP_INTERVAL_S = 0.002
 # After a forward the engine thread schedules the next step (Python, under the GIL); the
-# pump leaves it the lock and the GIL until the next forward starts, or this long at most
-# (an idle engine takes no step: write-through must still go on).
+# pump leaves it the lock and the GIL, but runs at least once per this interval.
 _YIELD_TO_ENGINE_S = 0.02
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
 
@@ -107,6 +108,7 @@ class OffloadWorker:
         self._stop = threading.Event()
         self._wake = threading.Event()  # new work for the pump
         self._forward_ended: float | None = None  # the engine is between two forwards
+        self._new_loads = False  # loads submitted since the pump's last round: run now
         self._pump: threading.Thread | None = None
         # Key changes the pump took from the store ahead of the next report, so `report`
         # on the engine's step path only hands them over (bounded by REPORT_MAX_KEYS).
@@ -180,8 +182,8 @@ class OffloadWorker:
                 except Exception as exc:
                     self.faults.failed("load submit", exc)
                     self._failed_now.add(request_id)
+            self._new_loads |= bool(loads)
             self._lock.notify_all()
-        self._forward_ended = None  # the forward starts: the pump's turn
         self._wake.set()
 
     def fail_loads(self, request_ids: Collection[str]) -> None:
@@ -321,13 +323,17 @@ class OffloadWorker:
     def _run_pump(self) -> None:
         """Advance the store until shutdown. Nothing can end this loop but `_stop`: a fault
         in one round is contained and the next round runs."""
+        last_round = 0.0
         while not self._stop.is_set():
             self._wake.wait(_PUMP_INTERVAL_S)
             self._wake.clear()
-            ended = self._forward_ended
-            if ended is not None and time.monotonic() - ended < _YIELD_TO_ENGINE_S:
+            now, ended = time.monotonic(), self._forward_ended
+            if not self._new_loads and ended is not None and \
+                    now - ended < _YIELD_TO_ENGINE_S and now - last_round < _YIELD_TO_ENGINE_S:
                 continue  # the engine is scheduling its next step: leave it the CPU
+            last_round = now
             with self._lock:
+                self._new_loads = False
                 self._pump_once()
                 try:
                     self._take_changes()

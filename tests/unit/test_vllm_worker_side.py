@@ -328,3 +328,38 @@ def test_a_store_whose_copy_never_ends_is_abandoned_at_the_timeout_and_never_ser
     assert changes(worker) == {}  # never reported as held
     worker.start_loads({"r": {0: (hashes, [10, 11, 12])}})
     assert wait_loads(worker, {"r"}) == ({"r"}, {"r"})  # never served
+
+
+def idle_steps(worker: OffloadWorker, until, first_loads=None) -> int:
+    """Step like vLLM's engine while nothing runs a forward (its only request waits for
+    our load): `start_load_kv`, then at once `wait_for_save`, then the results — one step
+    per millisecond, until `until()` holds; the number of steps it took."""
+    deadline, steps = time.monotonic() + WAIT_S, 0
+    loads = first_loads or {}
+    while not until():
+        assert time.monotonic() < deadline, f"not done after {steps} engine steps"
+        worker.start_loads(loads)
+        worker.start_stores({})
+        loads = {}
+        steps += 1
+        time.sleep(0.001)
+    return steps
+
+
+def test_stores_and_loads_finish_while_the_engine_steps_without_a_forward(workers):
+    engine = Engine()
+    worker = make_worker(engine)
+    workers.append(worker)
+    hashes = [block_hash(i) for i in range(3)]
+    originals = [engine.block_bytes(0, b) for b in (1, 2, 3)]
+    worker.start_stores({0: (hashes, [1, 2, 3])})
+    # The store is copied out and reported while the engine only steps.
+    seen: dict = {}
+    idle_steps(worker, lambda: seen.update(changes(worker)) or
+               seen == {(h, 0): IN_HOST for h in hashes})
+    engine.zero(0, range(NUM_BLOCKS))
+    finished: set[str] = set()
+    idle_steps(worker, lambda: finished.update(worker.finished_loads()[0]) or "r1" in finished,
+               first_loads={"r1": {0: (hashes, [10, 11, 12])}})
+    for b, original in zip((10, 11, 12), originals):
+        assert same_bytes(engine.block_bytes(0, b), original)
