@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ _PUMP_INTERVAL_S = 0.002
 # pump leaves it the lock and the GIL, but runs at least once per this interval.
 _YIELD_TO_ENGINE_S = 0.02
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
+FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
 
 @dataclass
@@ -128,6 +130,7 @@ class OffloadWorker:
             self._pump = threading.Thread(target=self._run_pump, daemon=True,
                                           name=f"kv-offload-pump-{self.rank}")
             self._pump.start()
+        _at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
 
     # --- per step, in vLLM's order ---
 
@@ -280,13 +283,28 @@ class OffloadWorker:
             self._pump.join()
         with self._lock:
             try:
-                if not self.store.flush():
+                if not self.store.flush(FLUSH_TIMEOUT_S):
                     logger.warning("kv-offload rank %d: write-through did not finish before "
                                    "shutdown; unfinished keys are misses", self.rank)
                 self.store.close()
             except Exception:  # never fail vLLM's shutdown: unfinished files are just misses
                 logger.exception("kv-offload rank %d: shutdown of the tiers failed", self.rank)
         self.store = None
+
+    def _flush_at_exit(self) -> None:
+        """The interpreter is exiting (an offline `LLM` script ended without shutting vLLM
+        down; vLLM then shuts the engine down from a finalizer, after Python has stopped
+        every thread pool: the tiers could no longer write). Finish write-through now;
+        vLLM's shutdown, if it comes, finds nothing left to write. Never raises."""
+        with self._lock:
+            if self.store is None:
+                return
+            try:
+                if not self.store.flush(FLUSH_TIMEOUT_S):
+                    logger.warning("kv-offload rank %d: write-through did not finish before "
+                                   "the process exit; unfinished keys are misses", self.rank)
+            except Exception:
+                logger.exception("kv-offload rank %d: write-through at exit failed", self.rank)
 
     # --- internals ---
 
@@ -357,3 +375,17 @@ class OffloadWorker:
         if batch.reset:  # what was taken before the reset is moot
             self._report_changes, self._report_reset = [], True
         self._report_changes.extend(batch.changes)
+
+
+def _at_interpreter_exit(flush: weakref.WeakMethod) -> None:
+    """Call `flush()` (while the worker lives) when the main thread has ended, before Python
+    stops the thread pools our tiers write with. `atexit` runs too late for that; the
+    hook `concurrent.futures` itself uses does not (hooks run last-registered first)."""
+    def hook() -> None:
+        if (method := flush()) is not None:
+            method()
+
+    try:
+        threading._register_atexit(hook)  # (CPython >= 3.9; private, stable since)
+    except (AttributeError, RuntimeError):  # another Python, or already exiting
+        logger.debug("kv-offload: no write-through at interpreter exit", exc_info=True)

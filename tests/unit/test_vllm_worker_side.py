@@ -363,3 +363,25 @@ def test_stores_and_loads_finish_while_the_engine_steps_without_a_forward(worker
                first_loads={"r1": {0: (hashes, [10, 11, 12])}})
     for b, original in zip((10, 11, 12), originals):
         assert same_bytes(engine.block_bytes(0, b), original)
+
+
+EXITING_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_vllm_worker_side import Engine, block_hash, make_worker
+from pathlib import Path
+worker = make_worker(Engine(), Path({tmp!r}))
+worker.start_stores({{0: ([block_hash(i) for i in range(6)], [1, 2, 3, 4, 5, 6])}})
+# the script ends here, as an offline `LLM` script may right after its last step: the
+# store is not even copied out yet, and nothing is shut down
+"""
+
+
+def test_a_process_that_exits_right_after_a_store_leaves_it_in_the_storage_tier(tmp_path):
+    import subprocess
+    import sys
+
+    script = EXITING_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    files = list((tmp_path / "kv").rglob("*.safetensors"))
+    assert len(files) == 6, f"write-through lost at exit: {len(files)} of 6 files"
