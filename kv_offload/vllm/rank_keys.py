@@ -18,6 +18,9 @@ either: an Enum member's hash runs in Python code.)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import and_
+
 from kv_offload.types import KeyChange, Location, OffloadKey
 
 # Location codes held in the maps, one bit per tier (absent keys are not held).
@@ -66,6 +69,15 @@ class RankKeys:
         if not self.complete:
             return []
         return [held.get(group, _EMPTY) for held in self._ranks.values()]
+
+    def held_by_all_of(self, group: int, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether every rank holds each of these keys of `group`, in order. Runs in C
+        (`map` over each rank map's `__contains__`): ~4x cheaper than a call per key."""
+        maps = self.group_maps(group)
+        flags = list(map(maps[0].__contains__, block_hashes)) if maps else []
+        for rank_held in maps[1:]:
+            flags = list(map(and_, flags, map(rank_held.__contains__, block_hashes)))
+        return flags
 
     def held_by_all(self, key: OffloadKey, where: Location | None = None) -> bool:
         """Whether every rank holds `key` (in host memory, if `where` is HOST)."""

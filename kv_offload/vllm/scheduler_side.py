@@ -174,14 +174,19 @@ class OffloadScheduler:
         stores: GroupBlocks = {}
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         done_by_request: dict[str, int] = {}
+        requests, with_states = self._requests, bool(self._states.groups)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(req_id)
+            state = requests.get(req_id)
             if state is None:
                 continue
             state.loading = False  # it runs: vLLM saw its load end (even if we missed that)
-            done = state.request.num_computed_tokens + num_tokens - len(spec_tokens.get(req_id, ()))
-            done_by_request[req_id] = done
-            self._plan_stores(state, done, stores)
+            done = state.request.num_computed_tokens + num_tokens
+            if spec_tokens:
+                done -= len(spec_tokens.get(req_id, ()))
+            if with_states:
+                done_by_request[req_id] = done
+            if done >= state.next_store_tokens:  # (most decode steps: nothing to store)
+                self._plan_stores(state, done, stores)
         if self._states.groups:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
@@ -214,7 +219,7 @@ class OffloadScheduler:
         request's life: each group's `StoreFrontier` decides each block once)."""
         request = state.request
         if state.stores_off or computed_tokens < state.next_store_tokens:
-            return  # (most decode steps: O(1))
+            return
         if not state.frontiers:
             state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)
                                for spec in self.specs]
@@ -380,21 +385,15 @@ class OffloadScheduler:
         return bytes(request.block_hashes[(block + 1) * per_block - 1])
 
     def _is_cached_fn(self, request: Any):
+        """`is_cached(group, block)` for one lookup; every group's answers are computed up
+        front (`RankKeys.held_by_all_of`: in C; a lookup asks most blocks anyway)."""
         hashes = request.block_hashes
-        per_block = [spec.block_size // self.hash_block_size for spec in self.specs]
-        held = [self._keys.group_maps(g) for g in range(len(self.specs))]
+        cached = [self._keys.held_by_all_of(g, hashes[per - 1::per])  # (each block's last)
+                  for g, per in enumerate(spec.block_size // self.hash_block_size
+                                          for spec in self.specs)]
 
-        num_hashes = len(hashes)
-
-        def is_cached(group: int, block: int) -> bool:  # (per block of a lookup: no genexpr)
-            index, maps = (block + 1) * per_block[group] - 1, held[group]
-            if index >= num_hashes or not maps:
-                return False
-            block_hash = hashes[index]
-            for rank_held in maps:  # noqa: SIM110 (a loop: no generator per block)
-                if block_hash not in rank_held:
-                    return False
-            return True
+        def is_cached(group: int, block: int) -> bool:
+            flags = cached[group]
+            return block < len(flags) and flags[block]
 
         return is_cached
-
