@@ -77,16 +77,25 @@ def store(worker: OffloadWorker, stores) -> None:
     worker.wait_for_engine_copies(timeout_s=WAIT_S)
 
 
+def poll_until(done, what: str, between=lambda: time.sleep(0.002)) -> None:
+    """Call `between()` until `done()` holds, for at most WAIT_S (then fail: `what()`)."""
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, what()
+        between()
+
+
 def wait_loads(worker: OffloadWorker, request_ids: set[str]) -> tuple[set[str], set[str]]:
     """Poll `finished_loads` like vLLM does each step, until these requests finished."""
     finished, failed = set(), set()
-    deadline = time.monotonic() + WAIT_S
-    while not request_ids <= finished:
-        assert time.monotonic() < deadline, f"loads {request_ids - finished} did not finish"
-        done, bad = worker.finished_loads()
-        finished |= done
-        failed |= bad
-        time.sleep(0.002)
+
+    def done() -> bool:
+        ended, bad = worker.finished_loads()
+        finished.update(ended)
+        failed.update(bad)
+        return request_ids <= finished
+
+    poll_until(done, lambda: f"loads {request_ids - finished} did not finish")
     return finished, failed
 
 
@@ -105,11 +114,9 @@ def wait_for_changes(worker: OffloadWorker, expected: dict) -> dict:
     """Reports until these changes were all seen (the storage tier's feed is polled by
     the pump, a few ms behind); returns everything reported meanwhile."""
     seen: dict = {}
-    deadline = time.monotonic() + WAIT_S
-    while any(seen.get(k) != v for k, v in expected.items()):
-        assert time.monotonic() < deadline, f"never reported: {expected} (saw {seen})"
-        seen.update(changes(worker))
-        time.sleep(0.005)
+    poll_until(lambda: seen.update(changes(worker)) or
+               all(seen.get(k) == v for k, v in expected.items()),
+               lambda: f"never reported: {expected} (saw {seen})")
     return seen
 
 
@@ -330,20 +337,19 @@ def test_a_store_whose_copy_never_ends_is_abandoned_at_the_timeout_and_never_ser
     assert wait_loads(worker, {"r"}) == ({"r"}, {"r"})  # never served
 
 
-def idle_steps(worker: OffloadWorker, until, first_loads=None) -> int:
+def idle_steps(worker: OffloadWorker, until, first_loads=None) -> None:
     """Step like vLLM's engine while nothing runs a forward (its only request waits for
     our load): `start_load_kv`, then at once `wait_for_save`, then the results — one step
-    per millisecond, until `until()` holds; the number of steps it took."""
-    deadline, steps = time.monotonic() + WAIT_S, 0
-    loads = first_loads or {}
-    while not until():
-        assert time.monotonic() < deadline, f"not done after {steps} engine steps"
-        worker.start_loads(loads)
+    per millisecond, until `until()` holds."""
+    loads, steps = [first_loads or {}], [0]
+
+    def step() -> None:
+        worker.start_loads(loads.pop() if loads else {})
         worker.start_stores({})
-        loads = {}
-        steps += 1
+        steps[0] += 1
         time.sleep(0.001)
-    return steps
+
+    poll_until(until, lambda: f"not done after {steps[0]} engine steps", step)
 
 
 def test_stores_and_loads_finish_while_the_engine_steps_without_a_forward(workers):
