@@ -61,6 +61,22 @@ def _torch_dtype(name: str) -> Any:
     return dtype
 
 
+def _decoder_config(*, layers: int, hidden: int, heads: int, kv_heads: int,
+                    intermediate: int | None, max_positions: int) -> dict[str, Any]:
+    """The config keywords every builder shares: sizes and our vocabulary's token ids."""
+    return dict(vocab_size=VOCAB_SIZE, hidden_size=hidden,
+                intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads,
+                max_position_embeddings=max_positions, bos_token_id=BOS_ID,
+                eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
+def _layer_types(layers: int, full_attention_every: int, other: str) -> list[str]:
+    """Every `full_attention_every`-th layer full attention, the others `other`."""
+    return ["full_attention" if (i + 1) % full_attention_every == 0 else other
+            for i in range(layers)]
+
+
 def build_llama(
     path: str | Path,
     *,
@@ -82,16 +98,8 @@ def build_llama(
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        **_decoder_config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          intermediate=intermediate, max_positions=max_positions),
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(_torch_dtype(dtype))
@@ -122,25 +130,14 @@ def build_gemma3(
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    layer_types = [
-        "full_attention" if (i + 1) % full_attention_every == 0 else "sliding_attention"
-        for i in range(layers)
-    ]
+    layer_types = _layer_types(layers, full_attention_every, "sliding_attention")
     config = Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        **_decoder_config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          intermediate=intermediate, max_positions=max_positions),
         head_dim=head_dim,
         query_pre_attn_scalar=head_dim,
         sliding_window=sliding_window,
         layer_types=layer_types,
-        max_position_embeddings=max_positions,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
     )
     config.architectures = ["Gemma3ForCausalLM"]
     model = Gemma3ForCausalLM(config).to(_torch_dtype(dtype))
@@ -194,17 +191,10 @@ def build_qwen3_next(
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    layer_types = [
-        "full_attention" if (i + 1) % full_attention_every == 0 else "linear_attention"
-        for i in range(layers)
-    ]
+    layer_types = _layer_types(layers, full_attention_every, "linear_attention")
     config = Qwen3NextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        **_decoder_config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          intermediate=intermediate, max_positions=max_positions),
         head_dim=head_dim,
         linear_num_key_heads=linear_heads,
         linear_num_value_heads=2 * linear_heads,
@@ -216,10 +206,6 @@ def build_qwen3_next(
         moe_intermediate_size=intermediate or 2 * hidden,
         shared_expert_intermediate_size=intermediate or 2 * hidden,
         layer_types=layer_types,
-        max_position_embeddings=max_positions,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
         tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3NextForCausalLM"]
@@ -253,19 +239,12 @@ def build_granite_hybrid(
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     torch.manual_seed(seed)
-    layer_types = [
-        "full_attention" if (i + 1) % full_attention_every == 0 else "linear_attention"
-        for i in range(layers)
-    ]
+    layer_types = _layer_types(layers, full_attention_every, "linear_attention")
     config = GraniteMoeHybridConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
+        **_decoder_config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          intermediate=intermediate, max_positions=max_positions),
         shared_intermediate_size=intermediate or 2 * hidden,
         num_local_experts=0,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
         layer_types=layer_types,
         mamba_n_heads=mamba_heads,
         mamba_d_head=mamba_head_dim,
@@ -273,10 +252,6 @@ def build_granite_hybrid(
         mamba_d_state=mamba_state,
         mamba_expand=mamba_heads * mamba_head_dim // hidden,
         position_embedding_type="rope",
-        max_position_embeddings=max_positions,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
         tie_word_embeddings=False,
     )
     config.architectures = ["GraniteMoeHybridForCausalLM"]
