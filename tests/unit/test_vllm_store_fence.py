@@ -50,72 +50,60 @@ def _prefill(sched, request, block_ids):
 
 def _ready(sched):
     report(sched, 0, reflected_step=-1)
+    return sched
+
+
+def _admit(sched, request, block_ids):
+    """A new request's lookup, then its whole prompt in one step: (request, metadata)."""
+    sched.num_new_matched_tokens(request, 0)
+    return request, _prefill(sched, request, block_ids)
 
 
 def test_a_step_reusing_a_block_a_finished_requests_store_may_read_waits(make_request):
-    sched = full_attention()
-    _ready(sched)
-    first = make_request("a", 3 * BLOCK + 1)
-    sched.num_new_matched_tokens(first, 0)
-    meta = _prefill(sched, first, [1, 2, 3, 4])
+    sched = _ready(full_attention())
+    first, meta = _admit(sched, make_request("a", 3 * BLOCK + 1), [1, 2, 3, 4])
     assert len(stored(meta)) == 3 and not meta.wait_for_stores
     sched.request_finished("a")  # vLLM frees blocks 1..4 at once
-    reuse = make_request("b", 2 * BLOCK, first_token=900)
-    sched.num_new_matched_tokens(reuse, 0)
-    assert _prefill(sched, reuse, [3, 9]).wait_for_stores  # block 3 may still be read
+    _, meta = _admit(sched, make_request("b", 2 * BLOCK, first_token=900), [3, 9])
+    assert meta.wait_for_stores  # block 3 may still be read
 
 
 def test_a_freed_block_allocated_elsewhere_or_not_at_all_does_not_wait(make_request):
-    sched = full_attention()
-    _ready(sched)
-    first = make_request("a", 3 * BLOCK + 1)
-    sched.num_new_matched_tokens(first, 0)
-    _prefill(sched, first, [1, 2, 3, 4])
+    sched = _ready(full_attention())
+    first, _ = _admit(sched, make_request("a", 3 * BLOCK + 1), [1, 2, 3, 4])
     sched.request_finished("a")
-    other = make_request("b", 2 * BLOCK, first_token=900)
-    sched.num_new_matched_tokens(other, 0)
-    assert not _prefill(sched, other, [7, 8]).wait_for_stores
+    _, meta = _admit(sched, make_request("b", 2 * BLOCK, first_token=900), [7, 8])
+    assert not meta.wait_for_stores
     assert not sched.build_meta(output(scheduled=BUSY)).wait_for_stores
 
 
 def test_a_step_without_a_forward_settles_the_stores_in_flight(make_request):
     """(Its wait delays no forward, and the engine may go idle after it: its report and
     stats then show every store.)"""
-    sched = full_attention()
-    _ready(sched)
+    sched = _ready(full_attention())
     assert sched.build_meta(output()).wait_for_stores
     assert not sched.build_meta(output(scheduled=BUSY)).wait_for_stores
 
 
 def test_once_the_store_is_reported_copied_out_its_blocks_are_free_to_reuse(make_request):
-    sched = full_attention()
-    _ready(sched)
-    first = make_request("a", 3 * BLOCK + 1)
-    sched.num_new_matched_tokens(first, 0)
-    meta = _prefill(sched, first, [1, 2, 3, 4])
+    sched = _ready(full_attention())
+    first, meta = _admit(sched, make_request("a", 3 * BLOCK + 1), [1, 2, 3, 4])
     report(sched, 0, reflected_step=meta.step)  # every store of that step copied out
     sched.request_finished("a")
-    reuse = make_request("b", 2 * BLOCK, first_token=900)
-    sched.num_new_matched_tokens(reuse, 0)
-    assert not _prefill(sched, reuse, [3, 9]).wait_for_stores
+    _, meta = _admit(sched, make_request("b", 2 * BLOCK, first_token=900), [3, 9])
+    assert not meta.wait_for_stores
 
 
 def test_a_running_requests_full_attention_blocks_never_make_a_step_wait(make_request):
-    sched = full_attention()
-    _ready(sched)
-    first = make_request("a", 3 * BLOCK + 1)
-    sched.num_new_matched_tokens(first, 0)
-    _prefill(sched, first, [1, 2, 3, 4])
+    sched = _ready(full_attention())
+    first, _ = _admit(sched, make_request("a", 3 * BLOCK + 1), [1, 2, 3, 4])
     grow = sched.build_meta(output(cached=cached_step(first, ([5],)), scheduled={"a": 1}))
     assert not grow.wait_for_stores
 
 
 def test_a_preempted_requests_stored_blocks_reallocated_in_that_step_wait(make_request):
-    sched = full_attention()
-    _ready(sched)
-    first = make_request("a", 3 * BLOCK + 1)
-    sched.num_new_matched_tokens(first, 0)
-    _prefill(sched, first, [1, 2, 3, 4])
+    sched = _ready(full_attention())
+    first, _ = _admit(sched, make_request("a", 3 * BLOCK + 1), [1, 2, 3, 4])
     taker = make_request("b", 2 * BLOCK, first_token=900)
     sched.num_new_matched_tokens(taker, 0)
     new = NewRequestData.from_request(taker, ([2, 1],))
@@ -145,9 +133,7 @@ def test_sliding_window_blocks_are_fenced_as_soon_as_they_are_stored(make_reques
     """vLLM frees a running request's blocks that leave the window: no finish needed."""
     sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=BLOCK, **ATTN))
     _ready(sched)
-    first = make_request("a", 4 * BLOCK + 1)
-    sched.num_new_matched_tokens(first, 0)
-    meta = _prefill(sched, first, [1, 2, 3, 4, 5])
+    first, meta = _admit(sched, make_request("a", 4 * BLOCK + 1), [1, 2, 3, 4, 5])
     ids = [block_id for _, block_id in stored(meta)]
     assert ids
     other = make_request("b", 2 * BLOCK, first_token=900)
@@ -173,8 +159,7 @@ def test_the_fence_waits_whenever_a_reallocated_block_may_still_be_read(make_req
     preemption, workers that report their copies a random number of steps late), checked
     against an independent account of which blocks stores may still be reading."""
     rng = random.Random(seed)
-    sched = full_attention()
-    _ready(sched)
+    sched = _ready(full_attention())
     free = deque(range(1, 14))
     running: dict[str, list[int]] = {}
     reading: dict[int, int] = {}  # block -> last plan step storing it (ground truth)
