@@ -243,3 +243,18 @@ def test_a_server_down_at_start_is_a_logged_miss_not_an_error(caplog):
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "127.0.0.1" in warning and "secret" not in warning  # no password in logs
     tier.close()
+
+
+def test_a_key_another_engine_writes_shows_up_by_the_next_background_refresh(valkey_server):
+    prefix = unique_name("shared") + ":"
+    reader = make_tier(valkey_server, key_prefix=prefix, refresh_interval_s=0.05)
+    writer = make_tier(valkey_server, key_prefix=prefix)
+    assert reader.lookup([b"k"]) == [False]
+    assert write(writer, [b"k"], [random_bytes(70_000, 2)]).ok
+    deadline = time.monotonic() + 10
+    while reader.lookup([b"k"]) != [True]:
+        assert time.monotonic() < deadline, "the reader's background refresh never saw it"
+        time.sleep(0.01)
+    assert reader.take_changes(10).added == (b"k",)
+    writer.close()
+    reader.close()

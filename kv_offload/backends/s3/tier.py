@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,6 +55,7 @@ from kv_offload.backends.record import (
     pack,
     unpack_into,
 )
+from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.s3.config import S3TierConfig
 
 logger = logging.getLogger(__name__)
@@ -90,13 +90,10 @@ class S3Tier(StorageTier):
         self._outage = Outage(f"object store {where}", config.retry_interval_s, logger)
         self._conditional = config.conditional_put
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io")
-        self._stop = threading.Event()
+        self._refresher = Refresher(self.refresh, config.refresh_interval_s,
+                                    name="kv-s3-refresh", what=self._where)
         self.refresh()  # the objects already there, before the first lookup
-        self._refresher: threading.Thread | None = None
-        if config.refresh_interval_s > 0:
-            self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
-                                               name="kv-s3-refresh")
-            self._refresher.start()
+        self._refresher.start()
 
     @classmethod
     def check_options(cls, options) -> None:
@@ -148,9 +145,7 @@ class S3Tier(StorageTier):
     def close(self) -> None:
         if not self._book.close():
             return
-        self._stop.set()
-        if self._refresher is not None:
-            self._refresher.join()
+        self._refresher.stop()
         self._io.shutdown(wait=True)
 
     # -- optional hooks --------------------------------------------------------------------
@@ -190,7 +185,7 @@ class S3Tier(StorageTier):
         try:
             for page in self._s3.get_paginator("list_objects_v2").paginate(
                     Bucket=self.config.bucket, Prefix=self._root):
-                if self._stop.is_set():
+                if self._refresher.stopping.is_set():
                     return  # closing: an unfinished listing must not drop anything
                 for obj in page.get("Contents", []):
                     key = self._key_of(obj["Key"])
@@ -335,13 +330,6 @@ class S3Tier(StorageTier):
         else:
             self._book.count(f"{what}_failed", f"{what}_failed_{code}")
             self._book.note(f"{what}-{code}", "%s of %s refused: %s", what, self._where, error)
-
-    def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
-            try:
-                self.refresh()
-            except Exception:  # a bug here must not end the refreshes silently
-                logger.exception("kv-offload: listing %s failed", self._where)
 
 
 def _code(error: ClientError) -> str:

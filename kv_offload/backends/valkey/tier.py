@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +52,7 @@ from kv_offload.backends.record import (
     pack,
     unpack_into,
 )
+from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
 from kv_offload.backends.valkey.view import ServerKeys
@@ -92,13 +92,10 @@ class ValkeyTier(StorageTier):
         self._view = ServerKeys()
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io")
-        self._stop = threading.Event()
+        self._refresher = Refresher(self.refresh, config.refresh_interval_s,
+                                    name="kv-valkey-refresh", what=self.config.display_url)
         self.refresh()  # the keys already there, before the first lookup (bounded by timeouts)
-        self._refresher: threading.Thread | None = None
-        if config.refresh_interval_s > 0:
-            self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
-                                               name="kv-valkey-refresh")
-            self._refresher.start()
+        self._refresher.start()
 
     @classmethod
     def check_options(cls, options) -> None:
@@ -129,9 +126,7 @@ class ValkeyTier(StorageTier):
     def close(self) -> None:
         if not self._book.close():
             return
-        self._stop.set()
-        if self._refresher is not None:
-            self._refresher.join()
+        self._refresher.stop()
         self._io.shutdown(wait=True)
         self._redis.connection_pool.disconnect()
 
@@ -178,7 +173,7 @@ class ValkeyTier(StorageTier):
         found = []
         try:
             for name in self._redis.scan_iter(match=self._match(), count=self.config.scan_count):
-                if self._stop.is_set():
+                if self._refresher.stopping.is_set():
                     return  # closing: an unfinished scan must not drop anything
                 key = self._key_of(name)
                 if key is not None:
@@ -339,10 +334,3 @@ class ValkeyTier(StorageTier):
         with contextlib.suppress(*SERVER_ERRORS):  # if not, the next read finds it bad again
             self._redis.unlink(self._name(key))
         return False
-
-    def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
-            try:
-                self.refresh()
-            except Exception:  # a bug here must not end the refreshes silently
-                logger.exception("kv-offload: refresh of %s failed", self.config.display_url)
