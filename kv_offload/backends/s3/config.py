@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_offload.backends.options import option
+from kv_offload.backends.options import check_remote_bounds, option
 from kv_offload.errors import ConfigError
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
@@ -41,9 +41,7 @@ class S3TierConfig:
                                                      "how often one call tries again")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
-            raise ConfigError(f"layout_fingerprint must be a non-empty str, got "
-                              f"{self.layout_fingerprint!r}")
+        check_remote_bounds(self)
         if self.endpoint_url is not None and not self.endpoint_url.startswith(
                 ("http://", "https://")):
             raise ConfigError(f"storage_options.endpoint_url must start with http:// or "
@@ -51,7 +49,3 @@ class S3TierConfig:
         if self.addressing_style not in (None, *ADDRESSING_STYLES):
             raise ConfigError(f"storage_options.addressing_style must be one of "
                               f"{list(ADDRESSING_STYLES)}, got {self.addressing_style!r}")
-        for name in ("timeout_s", "connect_timeout_s", "retry_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"storage_options.{name} must be > 0 (a bound on waiting), "
-                                  f"got {getattr(self, name)!r}")

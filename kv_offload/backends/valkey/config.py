@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from kv_offload.backends.options import option
+from kv_offload.backends.options import check_remote_bounds, option
 from kv_offload.errors import ConfigError
 
 URL_SCHEMES = ("redis", "rediss", "unix")
@@ -36,9 +36,7 @@ class ValkeyTierConfig:
                                                      "often one call tries again")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
-            raise ConfigError(f"layout_fingerprint must be a non-empty str, got "
-                              f"{self.layout_fingerprint!r}")
+        check_remote_bounds(self)
         parts = urlsplit(self.url)
         if parts.scheme not in URL_SCHEMES:
             raise ConfigError(f"storage_options.url must start with one of "
@@ -54,10 +52,6 @@ class ValkeyTierConfig:
         if parts.scheme != "unix" and db and not db.isdigit():
             raise ConfigError(f"storage_options.url: the database must be a number, got "
                               f"{db!r} in {self.url!r}")
-        for name in ("timeout_s", "connect_timeout_s", "retry_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"storage_options.{name} must be > 0 (a bound on waiting), "
-                                  f"got {getattr(self, name)!r}")
 
     @property
     def display_url(self) -> str:
