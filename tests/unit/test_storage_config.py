@@ -66,6 +66,10 @@ def test_valkey_and_s3_options_are_checked_without_connecting():
      r"int >= 1"),
     ("valkey", {"url": NOWHERE, "batch_bytes": "big"}, r"storage_options.batch_bytes must be "
      r"a byte size"),
+    ("valkey", {"url": NOWHERE, "retry_interval_s": 0}, r"storage_options.retry_interval_s "
+     r"must be > 0"),
+    ("s3", {"bucket": "b", "bytes_to_use": 1, "connect_timeout_s": 0},
+     r"storage_options.connect_timeout_s must be > 0"),
     ("s3", {"bytes_to_use": "1GiB"}, r"storage_options.bucket is required"),
     ("s3", {"bucket": "b"}, r"storage_options.bytes_to_use is required"),
     ("s3", {"bucket": "b", "bytes_to_use": 1, "endpoint_url": "minio:9000"},
