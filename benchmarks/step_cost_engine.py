@@ -127,9 +127,11 @@ class SimEngine:
         worker = self.worker
         if getattr(meta, "wait_for_stores", True):  # (as the connector's handle_preemptions)
             _timed(timing, "wait_for_engine_copies", worker.wait_for_engine_copies)
+        time.sleep(self.workload.forward_s)
+        # vLLM 0.32 starts asynchronous loads after the forward, then calls wait_for_save
+        # (`_get_kv_connector_output`, `start_after_forward`).
         _timed(timing, "start_loads", lambda: (worker.begin_step(meta.step),
                                                start_loads(worker, meta)))
-        time.sleep(self.workload.forward_s)
         _timed(timing, "start_stores", worker.start_stores, meta.stores)
         finished, failed = _timed(timing, "finished_loads", worker.finished_loads)
         worker_meta = _timed(timing, "report", worker.report)

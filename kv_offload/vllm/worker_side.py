@@ -17,9 +17,9 @@ The engine's thread only records what to do (and, on a GPU, an event on its stre
 pump thread stages the copies and drains results. After a forward (`start_stores`, which
 vLLM calls after the step's async `start_load_kv`) the engine's thread schedules the next
 step: the pump leaves it the lock and Python's GIL then, but never for longer than
-`_YIELD_TO_ENGINE_S` since its own last round, and new loads run at once. (A yield that
-restarts at every step would starve the pump while the engine steps without a forward,
-e.g. while its only request waits for our load: nothing would ever finish.)
+`_YIELD_TO_ENGINE_S` since its own last round, and not at all while a load is in flight
+(a request waits for it). (A yield that restarts at every step would starve the pump while
+the engine steps without a forward, e.g. while its only request waits for our load.)
 
 Engine memory is only read by stores and written by loads:
 - a store copies blocks the step's forward completed, during the next forward. vLLM may
@@ -110,7 +110,7 @@ class OffloadWorker:
         self._stop = threading.Event()
         self._wake = threading.Event()  # new work for the pump
         self._forward_ended: float | None = None  # the engine is between two forwards
-        self._new_loads = False  # loads submitted since the pump's last round: run now
+        self._loads_in_flight = 0  # a request waits for each: the pump does not yield
         self._pump: threading.Thread | None = None
         # Key changes the pump took from the store ahead of the next report, so `report`
         # on the engine's step path only hands them over (bounded by REPORT_MAX_KEYS).
@@ -182,10 +182,10 @@ class OffloadWorker:
                 try:
                     job_id = self.store.submit_load(blocks, ready)
                     self._jobs[job_id] = self._job(request_id, blocks)
+                    self._loads_in_flight += 1
                 except Exception as exc:
                     self.faults.failed("load submit", exc)
                     self._failed_now.add(request_id)
-            self._new_loads |= bool(loads)
             self._lock.notify_all()
         self._wake.set()
 
@@ -335,6 +335,7 @@ class OffloadWorker:
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
                 self._outcomes.append(_Outcome(result, job, now - job.started))
+                self._loads_in_flight -= job.request_id is not None
         if results:
             self._lock.notify_all()
 
@@ -346,12 +347,11 @@ class OffloadWorker:
             self._wake.wait(_PUMP_INTERVAL_S)
             self._wake.clear()
             now, ended = time.monotonic(), self._forward_ended
-            if not self._new_loads and ended is not None and \
+            if not self._loads_in_flight and ended is not None and \
                     now - ended < _YIELD_TO_ENGINE_S and now - last_round < _YIELD_TO_ENGINE_S:
                 continue  # the engine is scheduling its next step: leave it the CPU
             last_round = now
             with self._lock:
-                self._new_loads = False
                 self._pump_once()
                 try:
                     self._take_changes()
