@@ -7,12 +7,13 @@
    the first steps, while the inventory reaches the scheduler, and the steady state after
    `--warmup-steps` (the first requests' prefills), `--steady-steps` long.
    Scheduler side = lookups (+ after_alloc, source_of) + build_meta + apply_worker_meta +
-   loads_finished + request_finished; worker side = wait_for_engine_copies (only in steps
-   whose metadata says `wait_for_stores`, as the connector's handle_preemptions; the old
-   tree waited every step) + start_loads + start_stores + finished_loads + report +
-   take_stats. The simulated engine hands out free blocks as vLLM does (least recently
-   freed first). Pickling our metadata across
-   vLLM's process boundary is timed apart ("ipc"). Goal: p99 < 1 ms on each side. Each
+   loads_finished + request_finished; worker side = step_started + wait_for_engine_copies
+   (only in steps whose metadata says `wait_for_stores`: both as the connector's
+   handle_preemptions; the old tree waited every step) + start_loads + start_stores (after
+   the forward, as vLLM 0.32 calls them) + finished_loads + report + take_stats. The
+   simulated engine hands out free blocks as vLLM does (least recently freed first).
+   Pickling our metadata across vLLM's process boundary is timed apart ("ipc").
+   Goal: p99 < 1 ms on each side. Each
    call is timed twice: wall clock (what the engine thread waited, including waits for
    the worker lock while the pump holds it, garbage collection, and, on a shared machine,
    other processes) and the engine thread's CPU time (the work itself).

@@ -6,7 +6,8 @@ every second; reports are `(key, old, new)` int tuples).
 Contents:
 - `API`: "change feed" (current) or "listing" (2505ae9).
 - `StorageTier`, `TierJobResult`, `TierChanges`, `TierStats`: the tier interface's records.
-- `storage_key_of`, `start_loads`, `report_size`, `host_report`, `make_worker`.
+- `storage_key_of`, `step_started`, `start_loads`, `report_size`, `host_report`,
+  `make_worker`.
 
 The benchmark needs nothing else of either tree beyond what both spell the same way.
 """
@@ -44,13 +45,23 @@ except ImportError:  # commit 2505ae9: no change feed
         bytes_budget: int = 0
 
 __all__ = ["API", "StorageTier", "TierChanges", "TierJobResult", "TierStats", "host_report",
-           "make_worker", "report_size", "start_loads", "storage_key_of"]
+           "make_worker", "report_size", "start_loads", "step_started", "storage_key_of"]
+
+# Trees since the pump yields between a forward's end and the next step's start are told
+# when a step starts (the connector's handle_preemptions); older trees are not.
+_TOLD_STEP_STARTS = "step_started" in vars(OffloadWorker)
 
 
 def storage_key_of(key: tuple[bytes, int]) -> bytes:
     """The storage tier's key for an offload key, as the tree under test writes it (the
     current tree: generation 0, the one every engine starts in)."""
     return _storage_key(key)
+
+
+def step_started(worker: OffloadWorker) -> None:
+    """What the connector's `handle_preemptions` tells the worker first, in trees that have it."""
+    if _TOLD_STEP_STARTS:
+        worker.step_started()
 
 
 def start_loads(worker: OffloadWorker, meta) -> None:

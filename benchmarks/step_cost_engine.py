@@ -33,14 +33,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from step_cost_compat import report_size, start_loads
+from step_cost_compat import report_size, start_loads, step_started
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
 SCHEDULER_CALLS = ("lookup", "after_alloc", "source_of", "build_meta", "apply_worker_meta",
                    "loads_finished", "request_finished")
-WORKER_CALLS = ("wait_for_engine_copies", "start_loads", "start_stores", "finished_loads",
-                "report", "take_stats")
+WORKER_CALLS = ("step_started", "wait_for_engine_copies", "start_loads", "start_stores",
+                "finished_loads", "report", "take_stats")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ class SimEngine:
         self._update_after_schedule(output)
         meta = _ipc(timing, meta)  # the scheduler's process -> every worker's
         worker = self.worker
-        if getattr(meta, "wait_for_stores", True):  # (as the connector's handle_preemptions)
+        _timed(timing, "step_started", step_started, worker)  # (the connector's
+        if getattr(meta, "wait_for_stores", True):  # handle_preemptions, at each step's start)
             _timed(timing, "wait_for_engine_copies", worker.wait_for_engine_copies)
         time.sleep(self.workload.forward_s)
         # vLLM 0.32 starts asynchronous loads after the forward, then calls wait_for_save

@@ -100,11 +100,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register(kv_caches, self._groups, self._num_blocks)  # start-up: may raise
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # Runs before every forward: stores still reading blocks vLLM may reuse in it must
-        # be out of engine memory first (the scheduler side says when; unknown: wait).
-        if getattr(kv_connector_metadata, "wait_for_stores", True):
-            self._contained("handle_preemptions", self._worker.wait_for_engine_copies,
-                            self._worker.abandon_stores)
+        # Runs at the start of every step, before any forward: stores still reading blocks
+        # vLLM may reuse in it must be out of engine memory first (the scheduler side says
+        # when; unknown: wait).
+        def prepare() -> None:
+            self._worker.step_started()
+            if getattr(kv_connector_metadata, "wait_for_stores", True):
+                self._worker.wait_for_engine_copies()
+
+        self._contained("handle_preemptions", prepare, self._worker.abandon_stores)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -14,9 +14,10 @@ once per episode. Every load is reported to vLLM exactly once: the job registry 
 result over only while the job is registered.
 
 The engine's thread only records what to do (and, on a GPU, an event on its stream); the
-pump thread stages the copies and drains results. After a forward (`start_stores`, which
-vLLM calls after the step's async `start_load_kv`) the engine's thread schedules the next
-step: the pump leaves it the lock and Python's GIL then, but never for longer than
+pump thread stages the copies and drains results, while a forward runs. From a forward's
+end (`start_stores`, which vLLM calls after the step's async `start_load_kv`) to the next
+step's start (`step_started`, from `handle_preemptions`) the engine's thread schedules:
+the pump leaves it the lock and Python's GIL then, but never for longer than
 `_YIELD_TO_ENGINE_S` since its own last round, and not at all while a load is in flight
 (a request waits for it). (A yield that restarts at every step would starve the pump while
 the engine steps without a forward, e.g. while its only request waits for our load.)
@@ -165,6 +166,12 @@ class OffloadWorker:
         """Lock held: stores whose copy out of engine memory may still run."""
         return [job_id for job_id, job in self._jobs.items()
                 if job.request_id is None and not job.abandoned]
+
+    def step_started(self) -> None:
+        """A step's execution begins (vLLM's `handle_preemptions`, before any forward): the
+        engine stops scheduling, the pump runs freely again."""
+        self._forward_ended = None
+        self._wake.set()
 
     def begin_step(self, step: int) -> None:
         """A new step's plans arrived."""
