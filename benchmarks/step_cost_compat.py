@@ -76,8 +76,9 @@ def report_size(worker_meta) -> int:
     """Key changes carried by one worker report."""
     if worker_meta is None:
         return 0
-    if API == "change feed":
-        return sum(len(report.changes) for report in worker_meta.reports.values())
+    if API == "change feed":  # (columns since stop 20, `KeyChange` records before)
+        return sum(len(getattr(report, "keys", None) or report.changes)
+                   for report in worker_meta.reports.values())
     return sum(len(changes) for changes in worker_meta.changes.values())
 
 
@@ -85,7 +86,8 @@ def host_report(keys, reflected_step: int, host_slots: int):
     """Rank 0's report that `keys` are now in host memory (scheduler-only runs)."""
     if API == "change feed":
         changes = tuple(KeyChange(key, Location.HOST) for key in keys)
-        return KVOffloadWorkerMetadata({0: RankReport(changes, False, reflected_step)})
+        make = getattr(RankReport, "of", RankReport)  # (columns since stop 20)
+        return KVOffloadWorkerMetadata({0: make(changes, False, reflected_step)})
     return KVOffloadWorkerMetadata({0: [(key, 0, IN_HOST) for key in keys]},
                                    {0: host_slots}, {0: reflected_step})
 

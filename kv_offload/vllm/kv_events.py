@@ -102,7 +102,7 @@ class KVEvents:
     def apply_reports(self, keys: RankKeys, reports: Mapping[int, RankReport]) -> None:
         """Apply the ranks' reports to `keys` (and, with events on, turn them into events)."""
         for rank, report in reports.items():
-            keys.apply(rank, report.changes, report.reset)
+            keys.apply(rank, report.keys, report.held, report.reset)
 
     def record_blocks(self, request: Any, group: int, blocks: Sequence[int]) -> None:
         """The scheduler plans to store or load `blocks` (indices in `group`) of the live
@@ -209,7 +209,7 @@ class KVEventTracker(KVEvents):
         for rank, report in reports.items():
             if report.reset:
                 touched.update(dict.fromkeys(keys.keys_of(rank)))
-            touched.update(dict.fromkeys(change.key for change in report.changes))
+            touched.update(dict.fromkeys(report.keys))
         return {key: keys.held_by_all_mask(key) for key in touched}
 
     def _publish(self, keys: RankKeys, before: dict[OffloadKey, int]) -> None:

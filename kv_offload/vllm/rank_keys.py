@@ -3,7 +3,8 @@
 Contents:
 - `RankKeys`: per rank, where it holds each key (host memory, the storage tier, or both); a
   key is a hit only when every rank holds it (each rank holds its own shard).
-- `HOST_BIT`, `STORAGE_BIT`: the bits of `held_by_all_mask` (KV events: a medium's blocks).
+- `HOST_BIT`, `STORAGE_BIT` (defined with the reports, in metadata.py): the codes the maps
+  hold and the bits of `held_by_all_mask` (KV events: a medium's blocks).
 
 Every method costs what it is asked about: `apply` is O(changes reported), lookups O(ranks).
 
@@ -21,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import and_
 
-from kv_offload.types import KeyChange, Location, OffloadKey
+from kv_offload.types import Location, OffloadKey
+from kv_offload.vllm.metadata import HOST_BIT, STORAGE_BIT  # (the codes the maps hold)
 
-# Location codes held in the maps, one bit per tier (absent keys are not held).
-HOST_BIT, STORAGE_BIT = 1, 2
 _EMPTY: dict = {}  # (never written)
 
 
@@ -40,28 +40,25 @@ class RankKeys:
         """Whether every rank has reported at least once."""
         return len(self._ranks) >= self.world_size
 
-    def apply(self, rank: int, changes: tuple[KeyChange, ...], reset: bool = False) -> None:
-        """One rank's report. `reset`: forget what it reported before (O(1): its maps are
+    def apply(self, rank: int, keys: Sequence[OffloadKey], held: bytes,
+              reset: bool = False) -> None:
+        """One rank's report (`RankReport` columns: each key and the media bits it is held in
+        now, 0 for none). `reset`: forget what it reported before (O(1): its maps are
         replaced)."""
-        held = self._ranks.get(rank)
-        if held is None or reset:
-            held = self._ranks[rank] = {}
-        absent, host = Location.ABSENT, Location.HOST  # (locals: this loop runs per key)
+        maps = self._ranks.get(rank)
+        if maps is None or reset:
+            maps = self._ranks[rank] = {}
         last_group, hashes = None, None
-        for change in changes:
-            block_hash, group = change.key
+        for (block_hash, group), bits in zip(keys, held):  # (this loop runs per key)
             if group != last_group:
-                hashes = held.get(group)
+                hashes = maps.get(group)
                 if hashes is None:
-                    hashes = held[group] = {}
+                    hashes = maps[group] = {}
                 last_group = group
-            location = change.location
-            if location is absent:
-                hashes.pop(block_hash, None)
-            elif location is host:
-                hashes[block_hash] = HOST_BIT | STORAGE_BIT if change.in_storage else HOST_BIT
+            if bits:
+                hashes[block_hash] = bits
             else:
-                hashes[block_hash] = STORAGE_BIT
+                hashes.pop(block_hash, None)
 
     def group_maps(self, group: int) -> list[dict[bytes, int]]:
         """Every rank's map of `group`, for lookups in bulk (none until every rank has

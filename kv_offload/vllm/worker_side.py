@@ -15,12 +15,11 @@ result over only while the job is registered.
 
 The engine's thread only records what to do (and, on a GPU, an event on its stream); the
 pump thread stages the copies and drains results, while a forward runs. From a forward's
-end (`start_stores`, which vLLM calls after the step's async `start_load_kv`) to the next
-step's start (`step_started`, from `handle_preemptions`) the engine's thread schedules:
-the pump leaves it the lock and Python's GIL then, but never for longer than
-`_YIELD_TO_ENGINE_S` since its own last round, and not at all while a load is in flight
-(a request waits for it). (A yield that restarts at every step would starve the pump while
-the engine steps without a forward, e.g. while its only request waits for our load.)
+end (`start_stores`, after the step's async `start_load_kv`) to the next step's start
+(`step_started`) vLLM schedules: the pump leaves it the lock and the GIL, but never for
+longer than `_YIELD_TO_ENGINE_S` since its own last round, and not at all while a load is
+in flight (else an engine stepping without a forward, its request waiting for our load,
+would starve it).
 
 Engine memory is only read by stores and written by loads:
 - a store copies blocks the step's forward completed, during the next forward. vLLM may
@@ -51,8 +50,8 @@ from kv_offload.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
-from kv_offload.types import Direction, GroupBlocks, KeyChange
-from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport
+from kv_offload.types import Direction, GroupBlocks, OffloadKey
+from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
 from kv_offload.vllm.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
@@ -63,9 +62,7 @@ REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (in
 # long for the pump.
 _TAKE_PER_ROUND = 512
 _PUMP_INTERVAL_S = 0.002
-# After a forward the engine thread schedules the next step (Python, under the GIL); the
-# pump leaves it the lock and the GIL, but runs at least once per this interval.
-_YIELD_TO_ENGINE_S = 0.02
+_YIELD_TO_ENGINE_S = 0.02  # the pump runs at least this often while vLLM schedules
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
 FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
@@ -113,10 +110,11 @@ class OffloadWorker:
         self._forward_ended: float | None = None  # the engine is between two forwards
         self._loads_in_flight = 0  # a request waits for each: the pump does not yield
         self._pump: threading.Thread | None = None
-        # Key changes the pump took from the store ahead of the next report, so `report`
-        # on the engine's step path only hands them over (bounded by REPORT_MAX_KEYS).
-        self._report_changes: list[KeyChange] = []
-        self._report_reset = False
+        # Key changes the pump took from the store ahead of the next report, as the report's
+        # columns, so `report` on the engine's step path only hands them over (bounded by
+        # REPORT_MAX_KEYS).
+        self._report_keys: list[OffloadKey] = []
+        self._report_held, self._report_reset = bytearray(), False
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
                  num_blocks: int) -> None:
@@ -251,10 +249,9 @@ class OffloadWorker:
                 self._take_changes()  # (what arrived since the pump's last round: a few)
             except Exception as exc:  # report what was taken; the rest stays pending
                 self.faults.failed("report", exc)
-            reflected = self._reflected_step()
-            changes, self._report_changes = tuple(self._report_changes), []
-            reset, self._report_reset = self._report_reset, False
-        report = RankReport(changes, reset, reflected)
+            report = RankReport(tuple(self._report_keys), bytes(self._report_held),
+                                self._report_reset, self._reflected_step())
+            self._clear_report(reset=False)
         return KVOffloadWorkerMetadata({self.rank: report})
 
     def take_stats(self) -> KVOffloadStats | None:
@@ -375,13 +372,17 @@ class OffloadWorker:
 
     def _take_changes(self) -> None:
         """Lock held: move key changes from the store into the next report (bounded)."""
-        room = min(_TAKE_PER_ROUND, REPORT_MAX_KEYS - len(self._report_changes))
+        room = min(_TAKE_PER_ROUND, REPORT_MAX_KEYS - len(self._report_keys))
         if room <= 0:
             return
         batch = self.store.take_changes(room)
         if batch.reset:  # what was taken before the reset is moot
-            self._report_changes, self._report_reset = [], True
-        self._report_changes.extend(batch.changes)
+            self._clear_report(reset=True)
+        self._report_keys.extend(change.key for change in batch.changes)
+        self._report_held.extend(map(held_bits, batch.changes))
+
+    def _clear_report(self, *, reset: bool) -> None:
+        self._report_keys, self._report_held, self._report_reset = [], bytearray(), reset
 
 
 def _at_interpreter_exit(flush: weakref.WeakMethod) -> None:

@@ -67,7 +67,7 @@ def plan_prefill(sched, request, block_ids):
 
 def apply(sched, rank, changes, reset=False):
     sched.apply_worker_meta(KVOffloadWorkerMetadata(
-        {rank: RankReport(tuple(changes), reset, -1)}))
+        {rank: RankReport.of(changes, reset, -1)}))
 
 
 def host(keys_, in_storage=False):
@@ -294,10 +294,10 @@ def test_a_report_costs_the_keys_it_names_not_the_keys_held():
     keys_ = CountingKeys(1)
     tracker = KVEventTracker([FULL], BLOCK)
     many = [(i.to_bytes(32, "little"), 0) for i in range(20_000)]
-    tracker.apply_reports(keys_, {0: RankReport(tuple(host(many)), False, 0)})
+    tracker.apply_reports(keys_, {0: RankReport.of(host(many), False, 0)})
     assert len(tracker.take()) == 20_000
     keys_.looked_at = 0
-    tracker.apply_reports(keys_, {0: RankReport(tuple(at(many[:3], ABSENT)), False, 1)})
+    tracker.apply_reports(keys_, {0: RankReport.of(at(many[:3], ABSENT), False, 1)})
     assert keys_.looked_at == 6  # before and after, per key named
     (removed,) = tracker.take()
     assert removed.block_hashes == published(many[:3])

@@ -62,7 +62,7 @@ def rank_meta(rank: int, changed=(), new=IN_HOST, *, reset: bool = False,
               reflected_step: int = -1) -> KVOffloadWorkerMetadata:
     """One rank's report: `changed` keys now at `new`."""
     changes = tuple(KeyChange(k, new) for k in changed)
-    return KVOffloadWorkerMetadata({rank: RankReport(changes, reset, reflected_step)})
+    return KVOffloadWorkerMetadata({rank: RankReport.of(changes, reset, reflected_step)})
 
 
 def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST,
