@@ -187,7 +187,7 @@ class OffloadScheduler:
                 done_by_request[req_id] = done
             if done >= state.next_store_tokens:  # (most decode steps: nothing to store)
                 self._plan_stores(state, done, stores)
-        if self._states.groups:
+        if with_states:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
         meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
                                  stores=stores, reset=self._reset,
@@ -216,9 +216,10 @@ class OffloadScheduler:
 
     def _plan_stores(self, state: _Request, computed_tokens: int, stores: GroupBlocks) -> None:
         """Add the blocks of this request that became worth storing (linear over the
-        request's life: each group's `StoreFrontier` decides each block once)."""
+        request's life: each group's `StoreFrontier` decides each block once). The caller
+        calls it only once `computed_tokens` reached `state.next_store_tokens`."""
         request = state.request
-        if state.stores_off or computed_tokens < state.next_store_tokens:
+        if state.stores_off:
             return
         if not state.frontiers:
             state.frontiers = [StoreFrontier(spec, alignment_tokens=self.align)

@@ -108,7 +108,7 @@ class OffloadWorker:
         self._stop = threading.Event()
         self._wake = threading.Event()  # new work for the pump
         self._forward_ended: float | None = None  # the engine is between two forwards
-        self._loads_in_flight = 0  # a request waits for each: the pump does not yield
+        self._loads_in_flight = 0  # requests wait for them: no yield (read without the lock)
         self._pump: threading.Thread | None = None
         # Key changes the pump took from the store ahead of the next report, as the report's
         # columns, so `report` on the engine's step path only hands them over (bounded by
