@@ -5,8 +5,8 @@ cores. Linux threads inherit the affinity of the thread that creates them, so ev
 the connector starts inside the worker (pump, copy threads, storage I/O) would share those
 cores with the forward pass while other cores of the process sit idle. `spread_threads()`
 widens the calling thread's affinity, while our threads are created, to the process's other
-CPUs (all of them if vLLM pinned to every CPU), then restores it. Where the engine thread is
-not pinned (GPU workers), it does nothing.
+CPUs, then restores it. Where the engine thread is not pinned to a subset of the process's
+CPUs (GPU workers, or vLLM pinned to every CPU), it does nothing.
 """
 
 from __future__ import annotations
@@ -45,15 +45,14 @@ def parse_cpu_list(text: str) -> set[int]:
 
 def cpus_for_our_threads() -> set[int] | None:
     """Where our threads should run: the process's CPUs the calling (engine) thread is not
-    pinned to; all of the process's CPUs when it is pinned to a subset that leaves none
-    spare; None (leave them as they are) when it is not pinned."""
+    pinned to; None (leave them as they are) when it is not pinned to a subset of them."""
     if not hasattr(os, "sched_getaffinity"):
         return None  # (not Linux)
     pinned = os.sched_getaffinity(0)
     allowed = process_cpus() & set(range(os.cpu_count() or 1))
     if not allowed or pinned >= allowed:
         return None
-    return (allowed - pinned) or allowed
+    return allowed - pinned  # (not empty: pinned is not a superset)
 
 
 @contextmanager

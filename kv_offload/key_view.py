@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 
-from kv_offload.types import KeyChange, KeyChanges, Location, OffloadKey
+from kv_offload.types import HOST_BIT, STORAGE_BIT, KeyChange, KeyChanges, Location, OffloadKey
 
 GENERATION_BYTES = 8
 FIRST_GENERATION = bytes(GENERATION_BYTES)
@@ -60,7 +60,7 @@ class KeyView:
     by `(hash, group)` tuples (each one tracked when created) they would be traversed
     entry by entry at every full collection (~50 ms per million keys; a set, ~150 ms)."""
 
-    def __init__(self, *, report_storage_copies: bool = True) -> None:
+    def __init__(self, *, report_storage_copies: bool = False) -> None:
         # Whether a host key's copy in the storage tier is a change of its own (KV events
         # announce both media); without it, a write-through costs no report entry.
         self._storage_bit = _STORAGE if report_storage_copies else _ABSENT
@@ -157,5 +157,6 @@ class KeyView:
 
 
 _EMPTY: dict = {}  # (never written: `pop` on it finds nothing)
-_ABSENT, _HOST, _STORAGE, _HOST_AND_STORAGE = 0, 1, 2, 3  # location codes (bits)
+_ABSENT, _HOST, _STORAGE = 0, HOST_BIT, STORAGE_BIT  # location codes (bits)
+_HOST_AND_STORAGE = HOST_BIT | STORAGE_BIT
 _LOCATIONS = (Location.ABSENT, Location.HOST, Location.STORAGE, Location.HOST)  # by code

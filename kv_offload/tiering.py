@@ -76,7 +76,7 @@ class TieredStore(LoadPipeline, StorePipeline):
                  storage: StorageTier | None = None, eviction_policy: str = "lru",
                  pin: bool | None = None, read_timeout_s: float = 30.0,
                  staging_slots: int | None = None, store_stage_timeout_s: float = 1.0,
-                 report_storage_copies: bool = True) -> None:
+                 report_storage_copies: bool = False) -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
@@ -100,7 +100,7 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
-                    fingerprint: str, *, report_storage_copies: bool = True) -> TieredStore:
+                    fingerprint: str, *, report_storage_copies: bool = False) -> TieredStore:
         from kv_offload.backends import make_storage_tier
 
         storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier

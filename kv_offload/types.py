@@ -21,6 +21,8 @@ from kv_offload.kernels.plan import IdsLike
 from kv_offload.transfer import Direction
 
 OffloadKey = tuple[bytes | int, int]
+# The media a key is held in, one bit each (0: none): KeyView's codes, a report's byte per key.
+HOST_BIT, STORAGE_BIT = 1, 2
 GroupBlocks = Mapping[int, tuple[Sequence[bytes | int], Sequence[int]]]
 Transfers = Mapping[int, tuple[IdsLike, IdsLike]]
 
@@ -53,5 +55,5 @@ class KeyChanges:
     reset: bool = False
 
 
-__all__ = ["Direction", "GroupBlocks", "KeyChange", "KeyChanges", "Location", "OffloadKey",
-           "Transfers"]
+__all__ = ["HOST_BIT", "STORAGE_BIT", "Direction", "GroupBlocks", "KeyChange", "KeyChanges",
+           "Location", "OffloadKey", "Transfers"]

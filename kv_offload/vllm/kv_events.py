@@ -8,7 +8,8 @@ Contents:
 - `KVEventTracker`: events on: records planned stores, turns the ranks' reports into
   `BlockStored` / `BlockRemoved` events, hands them to vLLM through `take`.
 - `make_kv_events(vllm_config, kv_cache_config, hash_block_size, storage_name)`: the
-  connector's choice between the two; `group_event_specs(kv_cache_config)`: its groups.
+  connector's choice between the two; `group_event_specs(kv_cache_config)`: its groups;
+  `kv_events_enabled(vllm_config)`: whether vLLM publishes events at all.
 
 How. vLLM's scheduler publishes, after every step, its own events (medium "GPU") followed by
 what the connector's `take_events()` returns, through the publisher of `--kv-events-config`
@@ -72,19 +73,25 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 from kv_offload.faults import FaultLog
-from kv_offload.types import OffloadKey
+from kv_offload.types import HOST_BIT, STORAGE_BIT, OffloadKey
 from kv_offload.vllm.metadata import RankReport
-from kv_offload.vllm.rank_keys import HOST_BIT, STORAGE_BIT, RankKeys
+from kv_offload.vllm.rank_keys import RankKeys
 
 logger = logging.getLogger(__name__)
 
 MEDIUM_HOST = MEDIUM_CPU  # "CPU": our host-memory tier
 __all__ = ["MEDIUM_HOST", "MEDIUM_STORAGE", "GroupEventSpec", "KVEventTracker", "KVEvents",
-           "group_event_specs", "make_kv_events"]
+           "group_event_specs", "kv_events_enabled", "make_kv_events"]
 
 PENDING_STEPS = 1000  # steps a planned store's payload waits for its store to be reported
 _MEDIA = ((HOST_BIT, MEDIUM_HOST), (STORAGE_BIT, MEDIUM_STORAGE))
 _INT_PARENT = 255  # payload length byte that marks an int parent hash (tests use int hashes)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    step: int
+    keys: list[OffloadKey]  # the keys a store planned in `step` names
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ class KVEventTracker(KVEvents):
         # Per group: block hash -> packed payload (parent hash, token ids); see `_pack`.
         self._payloads: list[dict[bytes | int, bytes]] = [{} for _ in groups]
         self._loras: list[dict[bytes | int, tuple[int, str]]] = [{} for _ in groups]
-        self._pending: deque[tuple[int, list[OffloadKey]]] = deque()  # (step, planned keys)
+        self._pending: deque[_Planned] = deque()  # stores planned, oldest first
         self._step = 0
         self._events: list[KVCacheEvent] = []
         self.faults = FaultLog("kv-offload events")
@@ -184,7 +191,7 @@ class KVEventTracker(KVEvents):
             if lora is not None:
                 self._loras[group][block_hash] = (lora.adapter_id, lora.name)
             planned.append((block_hash, group))
-        self._pending.append((self._step, planned))
+        self._pending.append(_Planned(self._step, planned))
 
     def _forget(self, key: OffloadKey) -> None:
         block_hash, group = key
@@ -195,8 +202,8 @@ class KVEventTracker(KVEvents):
         """Drop the payloads of stores planned `PENDING_STEPS` ago that no medium holds
         (skipped or failed stores). O(keys planned then)."""
         pending = self._pending
-        while pending and pending[0][0] <= self._step - PENDING_STEPS:
-            for key in pending.popleft()[1]:
+        while pending and pending[0].step <= self._step - PENDING_STEPS:
+            for key in pending.popleft().keys:
                 if not keys.held_by_all_mask(key):
                     self._forget(key)
 

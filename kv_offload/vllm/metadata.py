@@ -16,10 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kv_offload.types import GroupBlocks, KeyChange, Location, OffloadKey
-
-# The media a rank holds a key in, one bit each (a report's byte per key; 0: not held).
-HOST_BIT, STORAGE_BIT = 1, 2
+from kv_offload.types import HOST_BIT, STORAGE_BIT, GroupBlocks, KeyChange, Location, OffloadKey
 
 
 def held_bits(change: KeyChange) -> int:

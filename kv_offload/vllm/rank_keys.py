@@ -3,8 +3,8 @@
 Contents:
 - `RankKeys`: per rank, where it holds each key (host memory, the storage tier, or both); a
   key is a hit only when every rank holds it (each rank holds its own shard).
-- `HOST_BIT`, `STORAGE_BIT` (defined with the reports, in metadata.py): the codes the maps
-  hold and the bits of `held_by_all_mask` (KV events: a medium's blocks).
+- The maps hold `types.HOST_BIT` | `types.STORAGE_BIT` per key, as the reports carry them;
+  `held_by_all_mask` returns them too (KV events: a medium's blocks).
 
 Every method costs what it is asked about: `apply` is O(changes reported), lookups O(ranks).
 
@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import and_
 
-from kv_offload.types import Location, OffloadKey
-from kv_offload.vllm.metadata import HOST_BIT, STORAGE_BIT  # (the codes the maps hold)
+from kv_offload.types import HOST_BIT, STORAGE_BIT, Location, OffloadKey
 
 _EMPTY: dict = {}  # (never written)
 

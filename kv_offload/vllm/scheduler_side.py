@@ -25,12 +25,12 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import GroupBlocks, Location
+from kv_offload.types import HOST_BIT, GroupBlocks, Location
 from kv_offload.vllm.block_tables import track_block_ids
 from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kv_offload.vllm.rank_keys import HOST_BIT, RankKeys
+from kv_offload.vllm.rank_keys import RankKeys
 from kv_offload.vllm.report_lag import ReportLag
 from kv_offload.vllm.store_fence import StoreFence
 

@@ -25,7 +25,7 @@ operations = st.lists(st.one_of(
 @settings(max_examples=400, deadline=None)
 @given(operations)
 def test_take_reports_each_change_of_location_once_and_locations_are_current(ops):
-    view = KeyView()
+    view = KeyView(report_storage_copies=True)  # (the model below tracks storage copies)
     host: set = set()
     storage: set = set()
     reported: dict = {}  # what the reader was told
@@ -96,3 +96,6 @@ def test_without_events_a_host_keys_write_through_costs_no_report_entry():
         assert [(c.location, c.in_storage) for c in view.take(10).changes] == expected
         view.host_removed([(b"k", 0)])  # evicted from host memory: still on disk
         assert [c.location for c in view.take(10).changes] == [Location.STORAGE]
+        view.host_added([(b"k", 0)])  # read back into host memory
+        assert [(c.location, c.in_storage) for c in view.take(10).changes] == \
+            [(Location.HOST, report_copies)]

@@ -29,7 +29,6 @@ from vllm_scheduler_helpers import (  # noqa: E402
     vkv,
 )
 
-from kv_offload.key_view import KeyView  # noqa: E402
 from kv_offload.types import KeyChange  # noqa: E402
 from kv_offload.vllm.kv_events import (  # noqa: E402
     PENDING_STEPS,
@@ -156,19 +155,6 @@ def test_groups_with_larger_blocks_use_vllms_hash_for_the_whole_block(make_reque
 
 
 # --- when events fire ---
-
-def test_a_workers_report_says_when_a_host_key_reaches_the_storage_tier():
-    view = KeyView()
-    key = (b"\x02" * 32, 0)
-    view.host_added([key])
-    assert view.take(10).changes == (KeyChange(key, IN_HOST),)
-    view.storage_added([key])  # the write-through finished: loadable from host all the same
-    assert view.take(10).changes == (KeyChange(key, IN_HOST, in_storage=True),)
-    view.host_removed([key])
-    assert view.take(10).changes == (KeyChange(key, ON_DISK),)
-    view.host_added([key])  # read back into host memory
-    assert view.take(10).changes == (KeyChange(key, IN_HOST, in_storage=True),)
-
 
 def test_evictions_are_removals_per_medium_and_a_read_back_is_announced_with_its_payload(
         make_request):

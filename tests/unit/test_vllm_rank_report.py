@@ -10,13 +10,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_offload.types import KeyChange, Location  # noqa: E402
-from kv_offload.vllm.metadata import (  # noqa: E402
-    HOST_BIT,
-    STORAGE_BIT,
-    KVOffloadWorkerMetadata,
-    RankReport,
-)
+from kv_offload.types import HOST_BIT, STORAGE_BIT, KeyChange, Location  # noqa: E402
+from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport  # noqa: E402
 
 
 def every_kind_of_change() -> list[KeyChange]:
