@@ -19,8 +19,9 @@ each of N distinct long prompts, new to every cache, TTFT is the wall time of
 
 vLLM's own first-token latency (`RequestOutput.metrics`, arrival -> first token; median) is
 reported beside the wall time, and the fastest sample (the least disturbed by other load).
-A host/disk pass is invalid unless it got >= prompt - 32 cached tokens; every pass must
-generate the same token as the no-connector engine. vLLM's per-source hit counter
+A host/disk pass is invalid unless it got >= prompt - one block cached tokens (vLLM's block:
+32 tokens, 160 for the qwen3_next hybrid); every pass must generate the same token as the
+no-connector engine. vLLM's per-source hit counter
 (vllm:prompt_tokens_cached_by_source) shows which tier the scheduler planned to load each
 pass from. A short settle sleep before each request keeps the samples apart (background
 disk writes of the previous request finish first).
@@ -196,7 +197,7 @@ def _run_child(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
 
 def _summarise(samples: list[dict[str, Any]], prompt_tokens: int,
-               block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+               block_size: int) -> dict[str, Any]:
     measured = [s for s in samples if not s["warmup"]]
     reference = {s["prompt_index"]: s["token_ids"] for s in measured
                  if s["pass"] == "cold_no_connector"}
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             load_before = os.getloadavg()[0]
             out = _run_child(name, spec, work)
             starts[name] = out["engine_start_s"]
-            block_size = out.get("block_size", BLOCK_SIZE)
+            block_size = out["block_size"]  # (vLLM's, after it unified a hybrid's blocks)
             loads[name] = [load_before, os.getloadavg()[0]]
             results += [{**s, "engine": name} for s in out["samples"]]
     finally:

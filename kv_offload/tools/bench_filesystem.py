@@ -31,13 +31,13 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)  # probe_direct_io says False where it is 
 
 
 def run_filesystem_bench(args: argparse.Namespace) -> dict:
+    plan = plan_from_args(args, DEFAULT_PAGE_KIB, DEFAULT_CONNECTIONS, VALUES_PER_JOB)
     result = run_tier_bench(
-        "filesystem", {"filesystem": BenchTier(filesystem_factory)},
-        plan_from_args(args, DEFAULT_PAGE_KIB, DEFAULT_CONNECTIONS, VALUES_PER_JOB),
+        "filesystem", {"filesystem": BenchTier(filesystem_factory)}, plan,
         baseline=RAW, baseline_note="raw sequential pwritev/preadv of one file, best of the "
                                     "value size and 64 MiB requests",
         raw=[RawMeasure(RAW, raw_disk)])
-    probe_root = args.fs_root or "/tmp/kv-offload-bench"
+    probe_root = plan.work_root
     os.makedirs(probe_root, exist_ok=True)
     result["direct_io"] = probe_direct_io(os.path.join(probe_root, f".probe-{os.getpid()}"))
     result["root"] = os.path.abspath(probe_root)

@@ -10,8 +10,8 @@ same cells in the same run: the filesystem tier for the shared stores (`bench_st
 O_DIRECT I/O of the same bytes for the filesystem tier (`bench_filesystem`). A reference
 that is not the baseline (``redis-benchmark`` on the Valkey server) may run beside them.
 
-Throughput is the best of ``repeats`` runs (each on a fresh tier, tiers alternating); latency
-percentiles pool every run's samples; every sample stays in the JSON.
+Throughput is the best of ``repeats`` runs (each on a fresh tier, tiers alternating), and every
+run's throughput stays in the JSON; latency percentiles pool every run's calls.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -102,7 +102,8 @@ class Cell:
     load_p99_ms: float | None
     mismatches: int
     failed_keys: int
-    samples: dict[str, list[float]]  # per repeat (throughput) or per call (latency, seconds)
+    # While measuring: per call (latency, seconds); in a reported cell: per repeat (throughput).
+    samples: dict[str, list[float]]
 
 
 def run_tier_bench(backend: str, tiers: dict[str, BenchTier], plan: BenchPlan, *,
@@ -149,15 +150,16 @@ def run_tier_bench(backend: str, tiers: dict[str, BenchTier], plan: BenchPlan, *
 
 def _best(runs: list[Cell]) -> Cell:
     """Best throughput of the repeats; latencies over every repeat's samples."""
-    first = runs[0]
-    return Cell(first.tier, first.value_mib, first.connections, first.values,
-                first.values_per_job,
-                max(r.store_gbps for r in runs), max(r.load_gbps for r in runs),
-                *(_pct(sum((r.samples[k] for r in runs), []), q, scale)
-                  for k, q, scale in (("lookup", 50, 1e6), ("lookup", 99, 1e6),
-                                      ("load", 50, 1e3), ("load", 99, 1e3))),
-                sum(r.mismatches for r in runs), sum(r.failed_keys for r in runs),
-                {"store_gbps": [r.store_gbps for r in runs],
+    def pct(kind: str, q: int, scale: float) -> float | None:
+        return _pct(sum((r.samples[kind] for r in runs), []), q, scale)
+
+    return replace(
+        runs[0], store_gbps=max(r.store_gbps for r in runs),
+        load_gbps=max(r.load_gbps for r in runs),
+        lookup_p50_us=pct("lookup", 50, 1e6), lookup_p99_us=pct("lookup", 99, 1e6),
+        load_p50_ms=pct("load", 50, 1e3), load_p99_ms=pct("load", 99, 1e3),
+        mismatches=sum(r.mismatches for r in runs), failed_keys=sum(r.failed_keys for r in runs),
+        samples={"store_gbps": [r.store_gbps for r in runs],
                  "load_gbps": [r.load_gbps for r in runs]})
 
 

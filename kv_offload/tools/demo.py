@@ -29,19 +29,20 @@ from pathlib import Path
 from typing import Any
 
 from kv_offload.testing.tiny_vocab import word_prompt
-from kv_offload.tools.report import Progress, Table, emit, envelope
+from kv_offload.tools.report import Progress, Table, emit, envelope, positive_int
 
 # Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2},
     "small": {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4},
 }
-# The models `--model` builds (builders in kv_offload.testing.tiny_models) and their sizes.
+# The models `--model` builds (by the same name in kv_offload.testing.tiny_models.BUILDERS)
+# and their sizes.
 MODELS: dict[str, dict[str, Any]] = {
-    "llama": {"builder": "build_llama", "title": "Llama-like", "sizes": MODEL_SIZES},
+    "llama": {"title": "Llama-like", "sizes": MODEL_SIZES},
     # GatedDeltaNet layers with a full-attention layer every 4th; vLLM grows the blocks of
     # this hybrid to 64 tokens so the attention page covers the recurrent state.
-    "qwen3_next": {"builder": "build_qwen3_next", "title": "Qwen3-Next-like hybrid",
+    "qwen3_next": {"title": "Qwen3-Next-like hybrid",
                    "sizes": {"tiny": {"layers": 4, "hidden": 128},
                              "small": {"layers": 8, "hidden": 256}}},
 }
@@ -70,10 +71,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the architecture of the local model (default: llama)")
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
                         help="size of the local random-weight model (default: small)")
-    parser.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
-    parser.add_argument("--prompt-tokens", type=int,
+    parser.add_argument("--prompts", type=positive_int, default=4,
+                        help="number of prompts (default 4)")
+    parser.add_argument("--prompt-tokens", type=positive_int,
                         help="tokens per prompt (default 1500, 300 for --model-size tiny)")
-    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per prompt")
+    parser.add_argument("--max-tokens", type=positive_int, default=4,
+                        help="tokens generated per prompt")
     parser.add_argument("--cache-dir", type=Path,
                         help="where the model is built (default ~/.cache/kv-offload)")
     parser.add_argument("--work-dir", type=Path,
@@ -97,7 +100,7 @@ def model_dir(size: str, cache_dir: Path | None = None, model: str = "llama") ->
     sizes = MODELS[model]["sizes"][size]
     if marker.exists() and json.loads(marker.read_text()) == sizes:
         return path
-    build = getattr(tiny_models, MODELS[model]["builder"])
+    build = tiny_models.BUILDERS[model]
     print(f"building the {size} {model} demo model in {path} ...", file=sys.stderr, flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(root)))
     build(building, max_positions=4096, **sizes)

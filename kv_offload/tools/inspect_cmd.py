@@ -11,7 +11,7 @@ import time
 from kv_offload.canonical import canonicalize
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
-from kv_offload.tools.report import Table, emit, envelope
+from kv_offload.tools.report import Table, emit, envelope, positive_int
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="example model to inspect (repeatable; default: all)")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="LBNHC",
                         help="engine KV-cache layout to allocate (default LBNHC)")
-    parser.add_argument("--num-blocks", type=int, default=4,
+    parser.add_argument("--num-blocks", type=positive_int, default=4,
                         help="blocks to allocate per layer (default 4)")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the tables as JSON ('-': stdout)")

@@ -8,6 +8,7 @@ Contents:
 - `emit(table, envelope, json_path)`: print the table and write the envelope. ``--json -``
   writes the envelope to stdout and moves the table to stderr, so stdout parses as JSON.
 - `Progress`: a one-line progress bar on stderr for long runs (bench sweeps, the demo).
+- `positive_int`: the argparse type of every count flag (0 or less: exit status 2).
 
 Why one module: a user reads several subcommands' output side by side (and scripts parse
 their JSON); one printer and one envelope keep them alike. The exit status rule lives with
@@ -17,13 +18,14 @@ each command (non-zero on any mismatch or failed key) but is computed from the s
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 # Every benchmark keeps the best of its repeats (the least disturbed run on a shared machine);
 # every sample stays in the JSON ("samples"), so a reader can take another statistic.
@@ -87,11 +89,11 @@ def _is_number(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
-def emit(tables: Sequence[Table], document: dict[str, Any], json_path: str | Path | None,
-         out: TextIO | None = None) -> None:
+def emit(tables: Sequence[Table], document: dict[str, Any], json_path: str | Path | None
+         ) -> None:
     """Print the tables; write the envelope to ``json_path`` ("-": stdout, tables to stderr)."""
     to_stdout = str(json_path) == "-"
-    stream = out or (sys.stderr if to_stdout else sys.stdout)
+    stream = sys.stderr if to_stdout else sys.stdout
     for table in tables:
         print(table.render(), file=stream, end="\n\n")
     if json_path is None:
@@ -109,9 +111,9 @@ class Progress:
 
     WIDTH = 20
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, label: str) -> None:
         self.total, self.label, self.done = max(1, total), label, 0
-        self.stream = stream or sys.stderr
+        self.stream = sys.stderr
         self._tty = self.stream.isatty()
 
     def step(self, what: str) -> None:
@@ -126,3 +128,14 @@ class Progress:
     def finish(self) -> None:
         if self._tty:
             print(file=self.stream, flush=True)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse turns the error into exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def stdout_envelope(proc: subprocess.CompletedProcess) -> dict:
     """`--json -`: stdout must be exactly one JSON document (tables and progress elsewhere)."""
     document = json.loads(proc.stdout)
     assert set(document) == ENVELOPE, document.keys()
-    assert document["version"] == kv_offload_version()
+    assert document["version"] == kv_offload_version() == metadata.version("kv-offload")
     return document
 
 
@@ -135,6 +136,21 @@ def test_a_flag_a_backend_cannot_honour_is_refused_with_exit_2(args, message, tm
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert message in proc.stderr
     assert proc.stdout == ""  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "--num-blocks", "0"], "argument --num-blocks: must be >= 1, got 0"),
+    (["demo", "--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
+    (["demo", "--max-tokens", "many"], "argument --max-tokens: expected a whole number"),
+    (["serve-check", "http://127.0.0.1:9", "--prompt-tokens", "-5"],
+     "argument --prompt-tokens: must be >= 1, got -5"),
+])
+def test_a_count_of_zero_or_less_is_refused_with_exit_2_before_anything_runs(args, message,
+                                                                            tmp_path):
+    proc = kv_offload_cli(*args, "--json", "-", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("tier, figure", [("FlipsAByte", "mismatches"),
