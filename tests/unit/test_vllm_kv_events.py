@@ -54,6 +54,16 @@ def with_events(sched, groups=(FULL,), storage_name="filesystem") -> KVEventTrac
     return sched.events
 
 
+def prompt_planned(make_request, tokens: int, block_ids: list[int], **events):
+    """A full-attention scheduler with events on, its rank reported, and one request "r" of
+    `tokens` whose whole prompt ran in one step: (scheduler, tracker, request, planned keys)."""
+    sched = full_attention()
+    tracker = with_events(sched, **events)
+    apply(sched, 0, [])
+    request = make_request("r", tokens)
+    return sched, tracker, request, plan_prefill(sched, request, block_ids)
+
+
 def plan_prefill(sched, request, block_ids):
     """The request runs its whole prompt in one step; returns the planned store keys."""
     sched.num_new_matched_tokens(request, 0)
@@ -118,11 +128,8 @@ def test_a_block_stored_in_host_memory_is_announced_as_vllm_announces_its_own_bl
 
 def test_a_host_key_written_through_is_announced_in_the_storage_medium_with_its_tier_name(
         make_request):
-    sched = full_attention()
-    tracker = with_events(sched, storage_name="valkey")
-    apply(sched, 0, [])
-    request = make_request("r", 64)
-    planned = plan_prefill(sched, request, [1, 2])
+    sched, tracker, request, planned = prompt_planned(
+        make_request, 64, [1, 2], storage_name="valkey")
     apply(sched, 0, host(planned))
     assert len(by_medium(tracker.take(), BlockStored, "CPU")) == 2
     apply(sched, 0, host(planned, in_storage=True))  # the write-through finished
@@ -158,11 +165,7 @@ def test_groups_with_larger_blocks_use_vllms_hash_for_the_whole_block(make_reque
 
 def test_evictions_are_removals_per_medium_and_a_read_back_is_announced_with_its_payload(
         make_request):
-    sched = full_attention()
-    tracker = with_events(sched)
-    apply(sched, 0, [])
-    request = make_request("r", 64)
-    planned = plan_prefill(sched, request, [1, 2])
+    sched, tracker, request, planned = prompt_planned(make_request, 64, [1, 2])
     apply(sched, 0, host(planned, in_storage=True))
     first = tracker.take()
     assert sorted(e.medium for e in first) == ["CPU", "CPU", "STORAGE", "STORAGE"]
@@ -211,11 +214,7 @@ def test_both_ranks_reporting_in_one_step_announce_a_block_once(make_request):
 
 
 def test_a_reset_removes_every_block_its_rank_held(make_request):
-    sched = full_attention()
-    tracker = with_events(sched)
-    apply(sched, 0, [])
-    request = make_request("r", 96)
-    planned = plan_prefill(sched, request, [1, 2, 3])
+    sched, tracker, request, planned = prompt_planned(make_request, 96, [1, 2, 3])
     apply(sched, 0, host(planned, in_storage=True))
     tracker.take()
     apply(sched, 0, [], reset=True)
@@ -315,11 +314,7 @@ def test_with_events_off_reports_are_applied_and_nothing_is_kept(make_request):
 # --- on the wire ---
 
 def test_events_encode_and_decode_as_vllms_publisher_sends_them(make_request):
-    sched = full_attention()
-    tracker = with_events(sched)
-    apply(sched, 0, [])
-    request = make_request("r", 64)
-    planned = plan_prefill(sched, request, [1, 2])
+    sched, tracker, request, planned = prompt_planned(make_request, 64, [1, 2])
     apply(sched, 0, host(planned, in_storage=True))
     apply(sched, 0, at(planned, ABSENT))
     events = tracker.take()
