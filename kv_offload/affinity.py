@@ -6,7 +6,8 @@ the connector starts inside the worker (pump, copy threads, storage I/O) would s
 cores with the forward pass while other cores of the process sit idle. `spread_threads()`
 widens the calling thread's affinity, while our threads are created, to the process's other
 CPUs, then restores it. Where the engine thread is not pinned to a subset of the process's
-CPUs (GPU workers, or vLLM pinned to every CPU), it does nothing.
+CPUs (vLLM pinned to every CPU), or vLLM did not pin it (GPU workers, which a user may have
+bound with `taskset` or NUMA binding on purpose), it does nothing.
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ def cpus_for_our_threads() -> set[int] | None:
 
 
 @contextmanager
-def spread_threads() -> Iterator[None]:
+def spread_threads(engine_pins_threads: bool = True) -> Iterator[None]:
     """Threads started inside inherit `cpus_for_our_threads()` instead of the calling
-    thread's pinning; the calling thread's own affinity is restored on exit."""
+    thread's pinning; the calling thread's own affinity is restored on exit.
+    `engine_pins_threads`: whether the engine did the pinning (vLLM's CPU worker). Where it
+    did not, a pinning is the user's (`taskset`, NUMA binding of a GPU worker): it is kept."""
     try:
-        cpus = cpus_for_our_threads()
+        cpus = cpus_for_our_threads() if engine_pins_threads else None
     except OSError:
         cpus = None
     if cpus is None:

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_offload.backends import storage_choice
@@ -85,7 +86,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._num_blocks = kv_cache_config.num_blocks
             self._worker = OffloadWorker(
                 self.config, rank, _fingerprint_extra(vllm_config, kv_cache_config, groups, rank),
-                report_storage_copies=kv_events_enabled(vllm_config))
+                report_storage_copies=kv_events_enabled(vllm_config),
+                engine_pins_threads=current_platform.is_cpu())  # (vLLM's CPU worker pins)
             self._faults = self._worker.faults
 
     # ---------------- properties ----------------

@@ -88,13 +88,14 @@ class OffloadWorker:
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
-                 copy_timeout_s: float = 30.0, report_storage_copies: bool = False) -> None:
+                 copy_timeout_s: float = 30.0, report_storage_copies: bool = False,
+                 engine_pins_threads: bool = False) -> None:
         self.config = config
         # KV events announce a host key's storage copy too: one more report entry per key
         # written through, so only when vLLM publishes events.
         self.report_storage_copies = report_storage_copies
-        self.rank = rank
-        self.fingerprint_extra = fingerprint_extra
+        self.engine_pins_threads = engine_pins_threads  # (vLLM's CPU worker: see affinity.py)
+        self.rank, self.fingerprint_extra = rank, fingerprint_extra
         self.copy_timeout_s = copy_timeout_s
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
@@ -122,7 +123,7 @@ class OffloadWorker:
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
-        with spread_threads():  # our threads: off the cores vLLM pinned the forward to
+        with spread_threads(self.engine_pins_threads):  # off the forward's cores
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint,
                 report_storage_copies=self.report_storage_copies)

@@ -33,10 +33,10 @@ def _in_pinned_thread(cpus, fn):
     return out["result"]
 
 
-def _thread_started_inside():
+def _thread_started_inside(engine_pins_threads: bool = True):
     """Start a thread inside `spread_threads()`; its affinity, and the caller's after."""
     seen = {}
-    with spread_threads():
+    with spread_threads(engine_pins_threads):
         thread = threading.Thread(target=lambda: seen.update(child=os.sched_getaffinity(0)))
         thread.start()
         thread.join()
@@ -58,3 +58,11 @@ def test_an_unpinned_engine_thread_is_left_alone():
         pytest.skip("this process is pinned to fewer CPUs than its cgroup allows")
     child, after = _thread_started_inside()
     assert child == allowed and after == allowed
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_pinning_the_engine_did_not_make_is_kept_for_our_threads():
+    """(A GPU worker bound by `taskset` or NUMA binding: the user chose those CPUs.)"""
+    user_cpu = {min(os.sched_getaffinity(0))}
+    child, after = _in_pinned_thread(user_cpu, lambda: _thread_started_inside(False))
+    assert child == user_cpu and after == user_cpu
