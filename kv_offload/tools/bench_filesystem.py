@@ -18,7 +18,13 @@ import time
 
 import torch
 
-from kv_offload.backends.filesystem.io_engine import host_view, probe_direct_io
+from kv_offload.backends.filesystem.io_engine import (
+    O_DIRECT,
+    host_view,
+    preadv_upto,
+    probe_direct_io,
+    pwritev_all,
+)
 from kv_offload.tools.bench_stores import filesystem_factory, plan_from_args
 from kv_offload.tools.bench_tiers import MIB, BenchTier, RawCell, RawMeasure, run_tier_bench
 
@@ -27,7 +33,6 @@ DEFAULT_PAGE_KIB = (2048,)
 DEFAULT_CONNECTIONS = (8,)
 VALUES_PER_JOB = 16  # without --batch-mib
 RAW = "raw disk"
-O_DIRECT = getattr(os, "O_DIRECT", 0)  # probe_direct_io says False where it is 0
 
 
 def run_filesystem_bench(args: argparse.Namespace) -> dict:
@@ -55,25 +60,28 @@ def raw_disk(cell: RawCell) -> tuple[float, float]:
 
 
 def _raw_write(path: str, pool: torch.Tensor, request: int, direct: bool) -> float:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0)
-    view = host_view(pool)
-    start = time.perf_counter()
-    fd = os.open(path, flags, 0o644)
-    try:
-        for offset in range(0, len(view), request):
-            os.pwritev(fd, [view[offset:offset + request]], offset)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start
+    return _raw_io(path, pool, request, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct,
+                   lambda fd, chunk, offset: pwritev_all(fd, [chunk], offset))
 
 
 def _raw_read(path: str, pool: torch.Tensor, request: int, direct: bool) -> float:
+    def read(fd: int, chunk: memoryview, offset: int) -> None:
+        if preadv_upto(fd, [chunk], offset, len(chunk)) != len(chunk):
+            raise OSError(f"{path}: short read at {offset}")
+
+    return _raw_io(path, pool, request, os.O_RDONLY, direct, read)
+
+
+def _raw_io(path: str, pool: torch.Tensor, request: int, flags: int, direct: bool,
+            move) -> float:
+    """Seconds to move the whole pool to or from one file in `request`-byte calls (the same
+    whole-buffer loops the tier's I/O engine uses)."""
     view = host_view(pool)
     start = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+    fd = os.open(path, flags | (O_DIRECT if direct else 0), 0o644)
     try:
         for offset in range(0, len(view), request):
-            os.preadv(fd, [view[offset:offset + request]], offset)
+            move(fd, view[offset:offset + request], offset)
     finally:
         os.close(fd)
     return time.perf_counter() - start

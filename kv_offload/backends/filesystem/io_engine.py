@@ -22,7 +22,7 @@ import torch
 
 from kv_offload.backends.filesystem.fileformat import ALIGN
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # (0 where the OS has none: probe_direct_io says False)
 
 
 class FileSizeMismatch(Exception):
@@ -71,7 +71,8 @@ def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
     return rest
 
 
-def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+def pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    """Write every byte of ``iov`` at ``offset`` (one ``pwritev`` may write less)."""
     while iov:
         done = os.pwritev(fd, iov, offset)
         if done <= 0:
@@ -80,7 +81,7 @@ def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
         iov = _advance(iov, done)
 
 
-def _preadv_upto(fd: int, iov: list[memoryview], offset: int, want: int) -> int:
+def preadv_upto(fd: int, iov: list[memoryview], offset: int, want: int) -> int:
     """Read until ``want`` bytes arrived or end of file; return how many arrived."""
     total = 0
     while iov and total < want:
@@ -105,10 +106,10 @@ def probe_direct_io(path: str) -> bool:
     finally:
         os.close(fd)
     try:
-        if not _O_DIRECT:
+        if not O_DIRECT:
             return False
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | _O_DIRECT)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | O_DIRECT)
         except OSError as e:
             if e.errno == errno.EINVAL:
                 return False
@@ -132,7 +133,7 @@ class IOEngine:
     """Writes and reads whole files for the tier; raises OSError on I/O faults."""
 
     def __init__(self, *, direct: bool, fsync: bool) -> None:
-        self.direct = direct and bool(_O_DIRECT)
+        self.direct = direct and bool(O_DIRECT)
         self.fsync = fsync
         self.direct_fallbacks = 0
         self._scratch = _Scratch()
@@ -171,13 +172,13 @@ class IOEngine:
                 os.close(dir_fd)
 
     def _write(self, path: str, header: bytes, buf: torch.Tensor, direct: bool) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
         fd = os.open(path, flags, 0o644)
         try:
             data = host_view(buf)
             size = len(header) + len(data)
             if not direct:
-                _pwritev_all(fd, [memoryview(header), data], 0)
+                pwritev_all(fd, [memoryview(header), data], 0)
             else:
                 body = len(data) // ALIGN * ALIGN
                 scratch = self._scratch.get(len(header) + ALIGN)
@@ -189,7 +190,7 @@ class IOEngine:
                     page[:tail] = data[body:]
                     page[tail:] = bytes(ALIGN - tail)
                     iov.append(page)
-                _pwritev_all(fd, [v for v in iov if len(v)], 0)
+                pwritev_all(fd, [v for v in iov if len(v)], 0)
                 if tail:
                     os.ftruncate(fd, size)
             if self.fsync:
@@ -212,7 +213,7 @@ class IOEngine:
         return self._read(path, header_len, buf, False)
 
     def _read(self, path: str, header_len: int, buf: torch.Tensor, direct: bool) -> bytes:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
         try:
             data = host_view(buf)
             want = header_len + len(data)
@@ -225,7 +226,7 @@ class IOEngine:
             tail = len(data) - body
             if tail:
                 iov.append(scratch[header_len : header_len + ALIGN])
-            got = _preadv_upto(fd, [v for v in iov if len(v)], 0, want)
+            got = preadv_upto(fd, [v for v in iov if len(v)], 0, want)
             if got < want:
                 raise FileSizeMismatch(got, want)
             if tail:
