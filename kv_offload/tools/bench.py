@@ -104,12 +104,11 @@ def backend_kind(backend: str) -> str:
 def check_bench_arguments(args: argparse.Namespace) -> None:
     """Raise BenchArgumentError for any flag the backend cannot honour or any bad value."""
     kind = backend_kind(args.backend)
-    allowed = set(COMMON) | set(HONOURED[kind])
     given = [name for name in vars(args)
              if name not in ("backend", "run", "command") and name not in COMMON
              and getattr(args, name) is not None]
     for name in given:
-        if name not in allowed:
+        if name not in HONOURED[kind]:
             users = [b for b, flags in HONOURED.items() if name in flags]
             raise BenchArgumentError(
                 f"--{name.replace('_', '-')} does not apply to --backend {args.backend} "
@@ -147,7 +146,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except BenchArgumentError as e:
         print(f"kv-offload bench: {e}", file=sys.stderr)
         return 2
-    run = BACKENDS.get(args.backend, _tier)
+    run = BACKENDS[backend_kind(args.backend)]
     try:
         result, table = run(args)
     except (BenchArgumentError, ConfigError) as e:  # e.g. a module:Class tier's options
@@ -182,4 +181,4 @@ def _tier(args: argparse.Namespace) -> tuple[dict, Table]:
 
 # Each backend returns its JSON result and its table.
 BACKENDS: dict[str, Callable[[argparse.Namespace], tuple[dict, Table]]] = {
-    "cpu": _cpu, "filesystem": _filesystem, "valkey": _tier, "s3": _tier}
+    "cpu": _cpu, "filesystem": _filesystem, "valkey": _tier, "s3": _tier, "module:Class": _tier}
