@@ -13,6 +13,11 @@ import tempfile
 import time
 
 
+def first_on_path(names: tuple[str, ...]) -> str | None:
+    """The path of the first of these programs on PATH, or None."""
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -10,8 +10,9 @@ do, so the tier's numbers can be read against them.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
+
+from kv_offload.backends.local_process import first_on_path
 
 BINARIES = ("valkey-benchmark", "redis-benchmark")
 _SUMMARY = re.compile(r"====== (SET|GET) ======.*?throughput summary: ([\d.]+) requests per "
@@ -19,11 +20,7 @@ _SUMMARY = re.compile(r"====== (SET|GET) ======.*?throughput summary: ([\d.]+) r
 
 
 def benchmark_binary() -> str | None:
-    for name in BINARIES:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return first_on_path(BINARIES)
 
 
 def server_alone_gbps(binary: str, port: int, value_bytes: int, conns: int,

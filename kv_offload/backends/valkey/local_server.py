@@ -9,10 +9,9 @@ what the fault tests need.
 
 from __future__ import annotations
 
-import shutil
 import socket
 
-from kv_offload.backends.local_process import LocalProcess, free_port
+from kv_offload.backends.local_process import LocalProcess, first_on_path, free_port
 
 __all__ = ["BINARIES", "LocalServer", "free_port", "server_binary"]
 
@@ -21,11 +20,7 @@ BINARIES = ("valkey-server", "redis-server")
 
 def server_binary() -> str | None:
     """The first Valkey/Redis server binary on PATH, or None."""
-    for name in BINARIES:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return first_on_path(BINARIES)
 
 
 class LocalServer(LocalProcess):
