@@ -30,7 +30,7 @@ from kv_offload.vllm.block_tables import track_block_ids
 from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kv_offload.vllm.rank_keys import RankKeys
+from kv_offload.vllm.rank_keys import HeldBlocks, RankKeys
 from kv_offload.vllm.report_lag import ReportLag
 from kv_offload.vllm.store_fence import StoreFence
 
@@ -385,16 +385,9 @@ class OffloadScheduler:
         per_block = self.specs[group].block_size // self.hash_block_size
         return bytes(request.block_hashes[(block + 1) * per_block - 1])
 
-    def _is_cached_fn(self, request: Any):
-        """`is_cached(group, block)` for one lookup; every group's answers are computed up
-        front (`RankKeys.held_by_all_of`: in C; a lookup asks most blocks anyway)."""
+    def _is_cached_fn(self, request: Any) -> HeldBlocks:
+        """`is_cached(group, block)` for one lookup (each block's key: its last hash)."""
         hashes = request.block_hashes
-        cached = [self._keys.held_by_all_of(g, hashes[per - 1::per])  # (each block's last)
-                  for g, per in enumerate(spec.block_size // self.hash_block_size
-                                          for spec in self.specs)]
-
-        def is_cached(group: int, block: int) -> bool:
-            flags = cached[group]
-            return block < len(flags) and flags[block]
-
-        return is_cached
+        return HeldBlocks(self._keys, [hashes[spec.block_size // self.hash_block_size - 1::
+                                              spec.block_size // self.hash_block_size]
+                                       for spec in self.specs])
