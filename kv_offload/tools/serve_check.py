@@ -14,17 +14,17 @@ from pathlib import Path
 
 from kv_offload.errors import ServeCheckInputError
 from kv_offload.serving.check import CheckOptions, CheckReport, run_check
-from kv_offload.tools.report import Table, emit, envelope, positive_int
+from kv_offload.tools.report import Table, emit, envelope
 
 
 def add_serve_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model to ask for (default: the first one listed)")
-    parser.add_argument("--prompts", type=positive_int, default=3,
+    parser.add_argument("--prompts", type=int, default=3,
                         help="number of prompts (default 3)")
-    parser.add_argument("--prompt-tokens", type=positive_int, default=512,
+    parser.add_argument("--prompt-tokens", type=int, default=512,
                         help="tokens per prompt (default 512)")
-    parser.add_argument("--max-tokens", type=positive_int, default=8,
+    parser.add_argument("--max-tokens", type=int, default=8,
                         help="tokens generated per prompt (default 8)")
     parser.add_argument("--logprobs", type=int, default=5,
                         help="top logprobs compared per generated token (default 5)")
