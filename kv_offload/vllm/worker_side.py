@@ -101,6 +101,10 @@ class OffloadWorker:
         self.store: TieredStore | None = None
         self.faults = FaultLog(f"kv-offload rank {rank}")
         self._step = -1  # the plan step under way
+        # The last plan step whose stores were handed to the store (`start_stores`). With a
+        # drafter vLLM reports (`report`) before it submits the step's stores, so "no store
+        # in flight" alone does not mean the step's stores are out of engine memory.
+        self._stores_submitted = -1
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._outcomes: list[_Outcome] = []
@@ -157,9 +161,13 @@ class OffloadWorker:
 
     def _reflected_step(self) -> int:
         """Lock held: the last plan step whose stores have all been copied out of engine
-        memory, so their keys show in the changes taken so far. O(stores in flight)."""
+        memory, so their keys show in the changes taken so far. O(stores in flight).
+
+        Only what was submitted can have been copied: a step whose stores vLLM has not yet
+        handed over (`report` before `wait_for_save`, as with a drafter) is not reflected,
+        whatever the order of the calls."""
         in_flight = [job.step for job in self._jobs.values() if job.request_id is None]
-        return min(in_flight) - 1 if in_flight else self._step
+        return min(in_flight) - 1 if in_flight else self._stores_submitted
 
     def _stragglers(self) -> list[int]:
         """Lock held: stores whose copy out of engine memory may still run."""
@@ -205,17 +213,17 @@ class OffloadWorker:
         """Copy out the blocks this step's forward completed (the pump stages them, in the
         next forward: the engine is now scheduling the next step)."""
         self._forward_ended = time.monotonic()
-        if not stores:
-            return
-        try:
-            with self._lock:
-                # GPU: our copy stream waits on an event recorded on the engine's stream
-                # after the forward that wrote these blocks; the CPU does not wait.
-                job_id = self.store.submit_store(stores, self.store.engine_ready())
-                self._jobs[job_id] = self._job(None, stores)
-                self._lock.notify_all()
-        except Exception as exc:
-            self.faults.failed("store submit", exc)
+        with self._lock:
+            try:
+                if stores:
+                    # GPU: our copy stream waits on an event recorded on the engine's stream
+                    # after the forward that wrote these blocks; the CPU does not wait.
+                    job_id = self.store.submit_store(stores, self.store.engine_ready())
+                    self._jobs[job_id] = self._job(None, stores)
+                    self._lock.notify_all()
+            except Exception as exc:  # skipped: nothing of this step reads engine memory
+                self.faults.failed("store submit", exc)
+            self._stores_submitted = self._step
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose load ended since the last call, and those of them that failed
