@@ -170,6 +170,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
         return self._contained("get_kv_connector_stats", scheduler_stats, None)
 
+    # ---------------- sleep mode (vLLM >= 0.33; 0.32 never calls these) ----------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True  # our copies stop touching engine memory across the sleep
+
+    def unregister_kv_caches(self) -> None:
+        self._contained("unregister_kv_caches", self._worker.suspend, None)
+
+    def restore_kv_caches(self) -> None:
+        self._contained("restore_kv_caches", self._worker.resume, None)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._contained("shutdown", self._worker.shutdown, None)

@@ -14,12 +14,8 @@ once per episode. Every load is reported to vLLM exactly once: the job registry 
 result over only while the job is registered.
 
 The engine's thread only records what to do (and, on a GPU, an event on its stream); the
-pump thread stages the copies and drains results, while a forward runs. From a forward's
-end (`start_stores`, after the step's async `start_load_kv`) to the next step's start
-(`step_started`) vLLM schedules: the pump leaves it the lock and the GIL, but never for
-longer than `_YIELD_TO_ENGINE_S` since its own last round, and not at all while a load is
-in flight (else an engine stepping without a forward, its request waiting for our load,
-would starve it).
+pump thread (`pump.py`: when it runs and when it leaves the engine the CPU) stages the
+copies and drains results, while a forward runs.
 
 Engine memory is only read by stores and written by loads:
 - a store copies blocks the step's forward completed, during the next forward. vLLM may
@@ -51,18 +47,17 @@ from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
+from kv_offload.vllm.exit_hook import at_interpreter_exit
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
+from kv_offload.vllm.pump import Pump
 from kv_offload.vllm.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
 
 REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (inventories too)
-# Key changes moved into the next report per pump round / per `report` call: small batches
-# keep each hold of the lock (and of Python's GIL) short, so the engine's calls never wait
-# long for the pump.
+# Key changes moved into the next report per pump round / `report` call: small batches keep
+# each hold of the lock (and the GIL) short; the engine's calls never wait long for the pump.
 _TAKE_PER_ROUND = 512
-_PUMP_INTERVAL_S = 0.002
-_YIELD_TO_ENGINE_S = 0.02  # the pump runs at least this often while vLLM schedules
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
 FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
@@ -110,11 +105,9 @@ class OffloadWorker:
         self._outcomes: list[_Outcome] = []
         self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVOffloadStats()
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # new work for the pump
-        self._forward_ended: float | None = None  # the engine is between two forwards
         self._loads_in_flight = 0  # requests wait for them: no yield (read without the lock)
-        self._pump: threading.Thread | None = None
+        self._suspended = False  # vLLM's sleep mode unmapped engine memory: touch none of it
+        self._pump: Pump | None = None
         # Key changes the pump took from the store ahead of the next report, as the report's
         # columns, so `report` on the engine's step path only hands them over (bounded by
         # REPORT_MAX_KEYS).
@@ -131,10 +124,10 @@ class OffloadWorker:
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint,
                 report_storage_copies=self.report_storage_copies)
-            self._pump = threading.Thread(target=self._run_pump, daemon=True,
-                                          name=f"kv-offload-pump-{self.rank}")
+            self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
+                              f"kv-offload-pump-{self.rank}")
             self._pump.start()
-        _at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
+        at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
 
     # --- per step, in vLLM's order ---
 
@@ -177,8 +170,7 @@ class OffloadWorker:
     def step_started(self) -> None:
         """A step's execution begins (vLLM's `handle_preemptions`, before any forward): the
         engine stops scheduling, the pump runs freely again."""
-        self._forward_ended = None
-        self._wake.set()
+        self._pump.step_started()
 
     def begin_step(self, step: int) -> None:
         """A new step's plans arrived."""
@@ -189,6 +181,9 @@ class OffloadWorker:
         """Start this step's loads; `failed`: loads the scheduler could not plan."""
         with self._lock:
             self._failed_now.update(failed)
+            if self._suspended:  # (vLLM pauses before it sleeps: a recovery path)
+                self._failed_now.update(loads)
+                return
             # GPU: one event on the engine's stream orders every copy of these loads after
             # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
             ready = self.store.engine_ready() if loads else None
@@ -201,7 +196,7 @@ class OffloadWorker:
                     self.faults.failed("load submit", exc)
                     self._failed_now.add(request_id)
             self._lock.notify_all()
-        self._wake.set()
+        self._pump.wake()
 
     def fail_loads(self, request_ids: Collection[str]) -> None:
         """Report these loads failed at the next `finished_loads` without starting them
@@ -212,10 +207,10 @@ class OffloadWorker:
     def start_stores(self, stores: GroupBlocks) -> None:
         """Copy out the blocks this step's forward completed (the pump stages them, in the
         next forward: the engine is now scheduling the next step)."""
-        self._forward_ended = time.monotonic()
+        self._pump.forward_ended()
         with self._lock:
             try:
-                if stores:
+                if stores and not self._suspended:
                     # GPU: our copy stream waits on an event recorded on the engine's stream
                     # after the forward that wrote these blocks; the CPU does not wait.
                     job_id = self.store.submit_store(stores, self.store.engine_ready())
@@ -286,14 +281,35 @@ class OffloadWorker:
         with self._lock:
             self.store.reset()
 
+    def suspend(self) -> None:
+        """vLLM is about to unmap engine memory (sleep mode, vLLM >= 0.33): copies out of it
+        end first (past `copy_timeout_s` abandoned), so do loads filling it (bounded alike);
+        until `resume`, loads fail and stores are skipped. Write-through from host memory
+        goes on. Idempotent."""
+        with self._lock:
+            self._suspended = True
+        self.wait_for_engine_copies()
+        deadline = time.monotonic() + self.copy_timeout_s
+        with self._lock:
+            while self._loads_in_flight and time.monotonic() < deadline:
+                self._pump_once()
+                self._lock.wait(timeout=_COPY_POLL_S)
+            if self._loads_in_flight:
+                self.faults.failed("sleep", f"{self._loads_in_flight} load(s) still filling "
+                                   f"engine memory after {self.copy_timeout_s} s")
+
+    def resume(self) -> None:
+        """Engine memory is mapped again: loads and stores run again (the tiers kept their
+        KV: hits after a wake-up are served from them). Idempotent."""
+        with self._lock:
+            self._suspended = False
+
     def shutdown(self) -> None:
         """Finish write-through, then stop. Never raises."""
         if self.store is None:
             return
-        self._stop.set()
-        self._wake.set()
         if self._pump is not None:
-            self._pump.join()
+            self._pump.stop()
         with self._lock:
             try:
                 if not self.store.flush(FLUSH_TIMEOUT_S):
@@ -352,24 +368,14 @@ class OffloadWorker:
         if results:
             self._lock.notify_all()
 
-    def _run_pump(self) -> None:
-        """Advance the store until shutdown. Nothing can end this loop but `_stop`: a fault
-        in one round is contained and the next round runs."""
-        last_round = 0.0
-        while not self._stop.is_set():
-            self._wake.wait(_PUMP_INTERVAL_S)
-            self._wake.clear()
-            now, ended = time.monotonic(), self._forward_ended
-            if not self._loads_in_flight and ended is not None and \
-                    now - ended < _YIELD_TO_ENGINE_S and now - last_round < _YIELD_TO_ENGINE_S:
-                continue  # the engine is scheduling its next step: leave it the CPU
-            last_round = now
-            with self._lock:
-                self._pump_once()
-                try:
-                    self._take_changes()
-                except Exception as exc:
-                    self.faults.failed("report", exc)
+    def _pump_round(self) -> None:
+        """One round of the pump thread (never raises: faults are contained)."""
+        with self._lock:
+            self._pump_once()
+            try:
+                self._take_changes()
+            except Exception as exc:
+                self.faults.failed("report", exc)
 
     def _pump_once(self) -> None:
         """Lock held: one round of advancing the store (a fault is contained)."""
@@ -392,17 +398,3 @@ class OffloadWorker:
 
     def _clear_report(self, *, reset: bool) -> None:
         self._report_keys, self._report_held, self._report_reset = [], bytearray(), reset
-
-
-def _at_interpreter_exit(flush: weakref.WeakMethod) -> None:
-    """Call `flush()` (while the worker lives) when the main thread has ended, before Python
-    stops the thread pools our tiers write with. `atexit` runs too late for that; the
-    hook `concurrent.futures` itself uses does not (hooks run last-registered first)."""
-    def hook() -> None:
-        if (method := flush()) is not None:
-            method()
-
-    try:
-        threading._register_atexit(hook)  # (CPython >= 3.9; private, stable since)
-    except (AttributeError, RuntimeError):  # another Python, or already exiting
-        logger.debug("kv-offload: no write-through at interpreter exit", exc_info=True)
