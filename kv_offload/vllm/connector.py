@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -35,6 +34,7 @@ from kv_offload.faults import FaultLog
 from kv_offload.startup_checks import check_startup
 from kv_offload.types import Location
 from kv_offload.vllm import stats as offload_stats
+from kv_offload.vllm.fingerprint import fingerprint_extra
 from kv_offload.vllm.kv_events import kv_events_enabled, make_kv_events
 from kv_offload.vllm.mamba_states import check_mamba_servable
 from kv_offload.vllm.metadata import KVOffloadMetadata
@@ -85,7 +85,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._groups = groups
             self._num_blocks = kv_cache_config.num_blocks
             self._worker = OffloadWorker(
-                self.config, rank, _fingerprint_extra(vllm_config, kv_cache_config, groups, rank),
+                self.config, rank, fingerprint_extra(vllm_config, kv_cache_config, groups, rank),
                 report_storage_copies=kv_events_enabled(vllm_config),
                 engine_pins_threads=current_platform.is_cpu())  # (vLLM's CPU worker pins)
             self._faults = self._worker.faults
@@ -304,26 +304,6 @@ def _worker_rank(parallel: Any) -> int:
 
     return get_pp_group().rank_in_group * parallel.tensor_parallel_size + \
         get_tensor_model_parallel_rank()
-
-
-def _fingerprint_extra(vllm_config: Any, kv_cache_config: Any, groups: list, rank: int) -> str:
-    """What, beyond the page sizes, must match for stored bytes to be reusable: the model
-    (name, revision, config, quantization), every group's spec (dtypes, windows), the cache
-    dtypes, hashing, parallel shape and this rank. Weights changed in place under the same
-    name and config are not seen: reset the connector or use a new fs_root_dir."""
-    import vllm
-
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    hf_config = xxhash.xxh3_64_hexdigest(model.hf_config.to_json_string().encode())
-    return "|".join(str(part) for part in (
-        model.model, model.revision, hf_config, model.dtype, model.quantization,
-        [repr(group.spec) for group in groups], cache.cache_dtype, cache.mamba_cache_dtype,
-        cache.mamba_ssm_cache_dtype, kv_cache_config.kv_cache_layout,
-        cache.prefix_caching_hash_algo, kv_cache_config.hash_block_size,
-        f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}",
-        f"rank{rank}", f"vllm{vllm.__version__}"))
 
 
 def _refuse_unsupported(vllm_config: Any) -> None:

@@ -1,0 +1,121 @@
+"""What must match for stored KV to be served: the fingerprint's engine part.
+
+Stored bytes are served only under the same layout fingerprint (`tiering.layout_fingerprint`:
+page sizes of the canonical view, plus the string built here). It holds what decides the
+bytes and the keys, and nothing else, so a cache survives what does not change them:
+
+- **The model's bytes.** The Hugging Face config (hashed), dtype, quantization, every cache
+  group's spec, the cache dtypes and layout, and the weights' identity
+  (`weights_identity`): weights replaced in place under the same path and config are a new
+  model. With the weights identified, the model's path is left out: servers that keep the
+  same weights under different paths share one cache.
+- **The keys.** vLLM keys blocks by a chain of hashes. Rather than vLLM's version (which
+  made every entry miss after any upgrade although hashes and pages were unchanged), a
+  canary: two fixed blocks hashed with the engine's own block-hash function, hash algorithm
+  and seed (`hash_scheme_canary`). A vLLM that hashes blocks differently gives another
+  canary: a miss, never wrong bytes. Where vLLM's hashing functions cannot be found (a
+  future vLLM moved them), the version is used instead.
+- **The shard.** Tensor and pipeline parallel sizes and this rank decide which heads and
+  layers a page holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+CANARY_TOKENS = 64  # per canary block (any fixed count: the tokens are only hashed)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLES_PER_FILE = 16  # spread over each weights file
+SAMPLE_BYTES = 64 * 1024
+
+
+def fingerprint_extra(vllm_config: Any, kv_cache_config: Any, groups: list, rank: int) -> str:
+    """The engine part of the layout fingerprint (see the module docstring)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    weights = weights_identity(model.model, model.revision)
+    hf_config = xxhash.xxh3_64_hexdigest(model.hf_config.to_json_string().encode())
+    return "|".join(str(part) for part in (
+        f"weights:{weights}" if weights else f"model:{model.model}@{model.revision}",
+        hf_config, model.dtype, model.quantization,
+        [repr(group.spec) for group in groups], cache.cache_dtype, cache.mamba_cache_dtype,
+        cache.mamba_ssm_cache_dtype, kv_cache_config.kv_cache_layout,
+        f"keys:{hash_scheme_canary(cache.prefix_caching_hash_algo)}",
+        kv_cache_config.hash_block_size,
+        f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}",
+        f"rank{rank}"))
+
+
+def hash_scheme_canary(hash_algo: str, *, hash_block_tokens: Callable | None = None) -> str:
+    """A digest of two fixed blocks as the engine keys them (vLLM's own hash function for
+    `hash_algo`, its seed and its chaining); `hash_block_tokens` replaces vLLM's chaining
+    function (tests). Falls back to vLLM's version if those functions are not found."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+
+        hash_fn = get_hash_fn_by_name(hash_algo)
+        # The first parent hash: the engine's own if it set it in this process, else derived
+        # as vLLM derives it (PYTHONHASHSEED, else a fixed default for cryptographic hashes,
+        # else random: per-process keys then never match another process's anyway). Never
+        # `init_none_hash`: that would re-seed the engine's own hashes.
+        root = getattr(kv_cache_utils, "NONE_HASH", None) or \
+            hash_fn(kv_cache_utils.resolve_none_hash_seed(hash_fn))
+        chain = hash_block_tokens or kv_cache_utils.hash_block_tokens
+    except (ImportError, AttributeError, ValueError) as exc:
+        import vllm
+
+        logger.info("kv-offload: vLLM's block hashing not found (%s); keying the cache on "
+                    "vLLM %s instead", exc, vllm.__version__)
+        return f"vllm{vllm.__version__}"
+    first = chain(hash_fn, root, list(range(CANARY_TOKENS)), None)
+    second = chain(hash_fn, first, list(range(CANARY_TOKENS, 2 * CANARY_TOKENS)), None)
+    return xxhash.xxh3_64_hexdigest(bytes(first) + bytes(second))
+
+
+def weights_identity(model: str, revision: str | None = None) -> str | None:
+    """A digest of the model's weight files (None if none are found locally): per file its
+    name, size and `SAMPLES_PER_FILE` samples of its content spread over it (a safetensors
+    file's header in full). Reads about 1 MiB per file, whatever the model's size; new
+    weights written in place (fine-tuned, another checkpoint) change the samples."""
+    directory = _model_directory(model, revision)
+    if directory is None:
+        return None
+    files = sorted(p for p in directory.rglob("*") if p.suffix in WEIGHT_SUFFIXES
+                   and p.is_file())
+    if not files:
+        return None
+    digest = xxhash.xxh3_128()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(directory)}:{size}:".encode())
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors" and size >= 8:
+                header_len = int.from_bytes(f.read(8), "little")
+                digest.update(f.read(min(header_len, size - 8)))
+            for i in range(SAMPLES_PER_FILE):
+                f.seek(max(0, size - SAMPLE_BYTES) * i // max(1, SAMPLES_PER_FILE - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _model_directory(model: str, revision: str | None) -> Path | None:
+    """The local directory of `model`: itself, or its Hugging Face cache snapshot."""
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as exc:  # not a cached repository: identify the model by name
+        logger.info("kv-offload: no local weights found for %r (%s); the cache is keyed "
+                    "on its name and revision", model, exc)
+        return None

@@ -1,0 +1,110 @@
+"""The fingerprint's engine part: what decides the bytes and the keys, and nothing else."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig  # noqa: E402
+from vllm.v1 import kv_cache_interface as vkv  # noqa: E402
+
+from kv_offload.testing.tiny_models import build_llama  # noqa: E402
+from kv_offload.vllm.fingerprint import (  # noqa: E402
+    fingerprint_extra,
+    hash_scheme_canary,
+    weights_identity,
+)
+from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
+
+# Two fixed blocks keyed by vLLM's own hashing. Computed with vLLM 0.32.0; CI runs this
+# file again over vLLM 0.33.0's sources: the same values there are what lets a cache
+# written under 0.32 serve 0.33.
+CANARIES = {"sha256": "0c52f07440350346", "sha256_cbor": "570a47de21b68aa9"}
+
+
+@pytest.fixture(autouse=True)
+def engine_not_seeded_in_this_process(monkeypatch):
+    """As in a worker process: vLLM's engine core, not the worker, seeds NONE_HASH (other
+    tests in this process may have seeded it)."""
+    from vllm.v1.core import kv_cache_utils
+
+    monkeypatch.delattr(kv_cache_utils, "NONE_HASH", raising=False)
+
+
+@pytest.mark.parametrize("algo", list(CANARIES))
+def test_the_key_canary_is_the_same_under_every_supported_vllm(algo, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert vllm.__version__.startswith(("0.32", "0.33"))
+    assert hash_scheme_canary(algo) == CANARIES[algo]
+
+
+def test_another_hash_algorithm_or_seed_keys_blocks_differently(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    canaries = {algo: hash_scheme_canary(algo) for algo in ("sha256", "sha256_cbor",
+                                                            "xxhash", "xxhash_cbor")}
+    assert len(set(canaries.values())) == 4
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # vLLM seeds its first parent hash with it
+    assert hash_scheme_canary("sha256") != canaries["sha256"]
+
+
+def test_a_vllm_that_chains_block_hashes_differently_gets_another_canary():
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    def next_version(hash_fn, parent, tokens, extra_keys):  # e.g. a new field in the tuple
+        return hash_fn((parent, tuple(tokens), extra_keys, "v2"))
+
+    assert hash_scheme_canary("sha256", hash_block_tokens=hash_block_tokens) == \
+        CANARIES["sha256"]
+    assert hash_scheme_canary("sha256", hash_block_tokens=next_version) != CANARIES["sha256"]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return build_llama(tmp_path / "llama", seed=0)
+
+
+def test_weights_replaced_in_place_under_the_same_config_are_another_model(model_dir):
+    before = weights_identity(str(model_dir))
+    config = (model_dir / "config.json").read_bytes()
+    build_llama(model_dir, seed=1)  # same path, same config, other weights
+    assert (model_dir / "config.json").read_bytes() == config
+    assert weights_identity(str(model_dir)) != before
+
+
+def test_the_same_weights_elsewhere_or_touched_are_the_same_model(model_dir, tmp_path):
+    before = weights_identity(str(model_dir))
+    copy = shutil.copytree(model_dir, tmp_path / "elsewhere")  # (new mtimes)
+    for weights in copy.glob("*.safetensors"):
+        weights.touch()
+    assert weights_identity(str(copy)) == before
+
+
+def test_a_model_without_local_weights_is_identified_by_name():
+    assert weights_identity("no-such-org/no-such-model") is None
+
+
+def engine_part(model: str, rank: int = 0, **cache) -> str:
+    config = VllmConfig(model_config=ModelConfig(model=model),
+                        cache_config=CacheConfig(**cache),
+                        parallel_config=ParallelConfig())
+    spec = vkv.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32,
+                                 dtype=config.model_config.dtype)
+    kv_cache_config = vkv.KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[vkv.KVCacheGroupSpec(["layers.0"], spec)])
+    return fingerprint_extra(config, kv_cache_config, translate_groups(kv_cache_config), rank)
+
+
+def test_the_engine_part_names_weights_and_key_scheme_not_the_path_or_the_version(
+        model_dir, tmp_path):
+    part = engine_part(str(model_dir))
+    assert str(model_dir) not in part and vllm.__version__ not in part
+    assert engine_part(str(shutil.copytree(model_dir, tmp_path / "b"))) == part
+    assert engine_part(str(model_dir), rank=1) != part
+    assert engine_part(str(model_dir), prefix_caching_hash_algo="sha256_cbor") != part
+    build_llama(model_dir, seed=1)
+    assert engine_part(str(model_dir)) != part
