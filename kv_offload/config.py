@@ -76,6 +76,16 @@ def parse_size(key: str, value: Any) -> int:
     return number
 
 
+def format_size(num_bytes: float) -> str:
+    """A byte count as people read it: "512 B", "16.0 KiB", "1.5 TiB" (parse_size's inverse,
+    to a tenth)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} TiB"
+
+
 def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     """Validate `kv_connector_extra_config` and build an OffloadConfig."""
     extra = dict(extra or {})

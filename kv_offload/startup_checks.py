@@ -8,15 +8,21 @@ OOM kill, a silently disabled tier or an error on the first request:
   holds at least one block;
 - `fs_root_dir` is (or can be made) a directory this process can write files in;
 - `fs_bytes_to_use` holds at least one block file.
+
+`check_before_engine_start` runs the part that needs no model, from the connector class's
+hooks that vLLM calls before it starts an engine (see `vllm/connector.py`: on CUDA with
+CUDA graphs, in the front-end process while vLLM builds its config; on every platform in
+the engine core before any worker opens a tier); `check_startup` the rest, per process.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from kv_offload.config import OffloadConfig
+from kv_offload.config import OffloadConfig, parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.policies import make_policy
 from kv_offload.specs import KVCacheGroup
@@ -72,6 +78,16 @@ def check_startup(config: OffloadConfig, groups: Sequence[KVCacheGroup], *,
                 f"fs_bytes_to_use={config.fs_bytes_to_use} cannot hold one block file "
                 f"({smallest} bytes with its header): the disk tier would store nothing; "
                 f"raise fs_bytes_to_use or remove fs_root_dir")
+
+
+def check_before_engine_start(extra: Mapping[str, Any] | None) -> OffloadConfig:
+    """Every check of `kv_connector_extra_config` that needs no model: keys, types, values,
+    the eviction policy, the storage tier's options, `fs_root_dir`, and host memory for one
+    rank. vLLM asks the connector class questions before it loads the model; answering
+    runs this, so a bad configuration stops vLLM before it starts an engine."""
+    config = parse_config(extra)
+    check_startup(config, (), local_ranks=1)
+    return config
 
 
 def _check_writable_dir(root: str) -> None:

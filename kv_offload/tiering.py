@@ -36,7 +36,7 @@ import xxhash
 from kv_offload.backends.base import StorageTier, TierStats
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import CanonicalKVCaches
-from kv_offload.config import OffloadConfig
+from kv_offload.config import OffloadConfig, format_size
 from kv_offload.faults import FaultLog
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
@@ -80,6 +80,7 @@ class TieredStore(LoadPipeline, StorePipeline):
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
+        self.eviction_policy = eviction_policy
         self.read_timeout_s = read_timeout_s
         self.store_stage_timeout_s = store_stage_timeout_s
         self.staging_slots = staging_slots or max(1, self.cpu.num_slots // 4)
@@ -127,6 +128,14 @@ class TieredStore(LoadPipeline, StorePipeline):
         storage = self._guarded("storage stats", self.storage.stats, TierStats()) \
             if self.storage is not None else TierStats()
         return TierUsage(used, cpu.num_slots * cpu.slot_bytes, storage)
+
+    def describe(self) -> str:
+        """What this store set up, in one line for the start-up log (never a secret)."""
+        cpu = self.cpu
+        host = f"host tier {format_size(cpu.num_slots * cpu.slot_bytes)} ({cpu.num_slots} " \
+               f"slots of {format_size(cpu.slot_bytes)}, eviction {self.eviction_policy})"
+        storage = self.storage.describe() if self.storage is not None else "none"
+        return f"{host}; storage tier: {storage}"
 
     def take_fault_counts(self) -> dict[str, int]:
         """Faults contained since the last call, by where they happened (for metrics)."""

@@ -140,6 +140,11 @@ class StorageTier(ABC):
         """What the tier holds and counters of what it did. Default: nothing known."""
         return TierStats()
 
+    def describe(self) -> str:
+        """One line for the start-up log: where the tier keeps its data and its budget,
+        never a secret. Default: the class name."""
+        return type(self).__name__
+
     # -- construction from the connector config (`storage_tier`, `storage_options`) --
 
     @classmethod

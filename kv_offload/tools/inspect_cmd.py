@@ -9,6 +9,7 @@ import argparse
 import time
 
 from kv_offload.canonical import canonicalize
+from kv_offload.config import format_size
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
 from kv_offload.tools.report import Table, emit, envelope, positive_int
@@ -23,14 +24,6 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks to allocate per layer (default 4)")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the tables as JSON ('-': stdout)")
-
-
-def _size(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.1f} GiB"
 
 
 def inspect_model(name: str, layout: str, num_blocks: int) -> dict:
@@ -62,14 +55,14 @@ def inspect_model(name: str, layout: str, num_blocks: int) -> dict:
 
 
 def inspect_table(report: dict) -> Table:
-    pages = ", ".join(_size(p) for p in report["page_sizes"])
+    pages = ", ".join(format_size(p) for p in report["page_sizes"])
     table = Table(f"{report['model']} ({report['layout']}): {report['unique_tensors']} unique "
                   f"tensors, pages {pages}, canonicalised in "
                   f"{report['canonicalize_ms']:.1f} ms",
                   ("group", "spec", "block", "layers", "refs", "data/block", "slot/block"))
     for g in report["groups"]:
         table.add(g["group"], g["spec"], g["block_size"], g["layers"], g["refs"],
-                  _size(g["data_bytes_per_block"]), _size(g["slot_bytes_per_block"]))
+                  format_size(g["data_bytes_per_block"]), format_size(g["slot_bytes_per_block"]))
     return table
 
 

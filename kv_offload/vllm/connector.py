@@ -31,8 +31,9 @@ from kv_offload.backends import storage_choice
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.faults import FaultLog
-from kv_offload.startup_checks import check_startup
+from kv_offload.startup_checks import check_before_engine_start, check_startup
 from kv_offload.types import Location
+from kv_offload.vllm import startup_error
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.fingerprint import fingerprint_extra
 from kv_offload.vllm.kv_events import kv_events_enabled, make_kv_events
@@ -170,10 +171,36 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
         return self._contained("get_kv_connector_stats", scheduler_stats, None)
 
+    # ------------- asked of the class before any engine starts (config checks) -------------
+    # Each runs `check_before_engine_start`: every check that needs no model (keys, types,
+    # values, the eviction policy, the storage tier's options, fs_root_dir, host memory for
+    # one rank), so a bad configuration stops vLLM before it loads the model.
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM 0.32 and 0.33 ask while they build their config in the front-end process on
+        # CUDA with CUDA graphs (the default): before any engine process starts.
+        check_before_engine_start(extra_config)
+        return False  # nothing of ours runs inside the captured forward
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Every platform: the engine core asks while it sizes the cache, after the weights
+        # loaded but before any worker opens a tier (vLLM CPU has no earlier hook).
+        try:
+            check_before_engine_start(
+                vllm_config.kv_transfer_config.kv_connector_extra_config)
+        except ConfigError as exc:  # (repeated last, after vLLM's own tracebacks)
+            startup_error.record(exc)
+            raise
+        return None  # any layout: the canonicaliser reads them all
+
     # ---------------- sleep mode (vLLM >= 0.33; 0.32 never calls these) ----------------
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # (asked while vLLM 0.33 builds its config, only with sleep mode on)
+        check_before_engine_start(kv_transfer_config.kv_connector_extra_config)
         return True  # our copies stop touching engine memory across the sleep
 
     def unregister_kv_caches(self) -> None:

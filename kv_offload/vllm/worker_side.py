@@ -86,8 +86,7 @@ class OffloadWorker:
                  copy_timeout_s: float = 30.0, report_storage_copies: bool = False,
                  engine_pins_threads: bool = False) -> None:
         self.config = config
-        # KV events announce a host key's storage copy too: one more report entry per key
-        # written through, so only when vLLM publishes events.
+        # KV events announce storage copies too (a report entry per key): only if published.
         self.report_storage_copies = report_storage_copies
         self.engine_pins_threads = engine_pins_threads  # (vLLM's CPU worker: see affinity.py)
         self.rank, self.fingerprint_extra = rank, fingerprint_extra
@@ -124,6 +123,7 @@ class OffloadWorker:
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint,
                 report_storage_copies=self.report_storage_copies)
+            logger.info("kv-offload rank %d: %s", self.rank, self.store.describe())
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
                               f"kv-offload-pump-{self.rank}")
             self._pump.start()

@@ -55,3 +55,47 @@ def test_mamba_groups_with_speculative_blocks_are_refused_naming_the_setting():
         32, ((3, 64),), (torch.bfloat16,), num_speculative_blocks=2))
     with pytest.raises(ConfigError, match="num_speculative_blocks=2.*speculative_config"):
         check_mamba_servable([ATTENTION, speculative], config)
+
+
+# --- checks vLLM runs through the connector class before an engine starts ---
+
+from vllm.config import KVTransferConfig  # noqa: E402
+
+from kv_offload.vllm.connector import KVOffloadConnector  # noqa: E402
+
+BAD_CONFIGS = [  # (extra config, what the error must name)
+    ({}, "cpu_bytes_to_use is required"),
+    ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use must be a byte size.*'lots'"),
+    ({"cpu_bytes_to_use": "1GiB", "cpu_bytes": 1}, r"unknown key\(s\) \['cpu_bytes'\]"),
+    ({"cpu_bytes_to_use": "1000TiB"}, "lower cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": "1GiB", "eviction_policy": "nope"}, "eviction_policy"),
+]
+
+
+def transfer_config(extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
+                            kv_connector_module_path="kv_offload.vllm",
+                            kv_connector_extra_config=extra)
+
+
+@pytest.mark.parametrize(("extra", "names"), BAD_CONFIGS)
+def test_every_class_hook_vllm_calls_before_an_engine_starts_refuses_a_bad_config(extra,
+                                                                                   names):
+    hooks = [
+        lambda: KVOffloadConnector.requires_piecewise_for_cudagraph(extra),
+        lambda: KVOffloadConnector.get_required_kvcache_layout(
+            VllmConfig(kv_transfer_config=transfer_config(extra))),
+        lambda: KVOffloadConnector.supports_sleep_mode(transfer_config(extra)),
+    ]
+    for hook in hooks:
+        with pytest.raises(ConfigError, match=names):
+            hook()
+
+
+def test_the_class_hooks_answer_neutrally_for_a_good_config(tmp_path):
+    extra = {"cpu_bytes_to_use": "64MiB", "fs_root_dir": str(tmp_path / "kv"),
+             "fs_bytes_to_use": "1GiB"}
+    assert KVOffloadConnector.requires_piecewise_for_cudagraph(extra) is False
+    assert KVOffloadConnector.get_required_kvcache_layout(
+        VllmConfig(kv_transfer_config=transfer_config(extra))) is None
+    assert KVOffloadConnector.supports_sleep_mode(transfer_config(extra)) is True

@@ -67,6 +67,7 @@ from kv_offload.backends.filesystem.io_engine import (
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
 from kv_offload.backends.options import parse_options
+from kv_offload.config import format_size
 from kv_offload.errors import TierClosedError
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,10 @@ class FilesystemTier(StorageTier):
         """Keys added or removed since the last call (the start-up inventory first), at most
         ``max_keys``; O(keys handed out), no I/O, never waits on a rescan."""
         return self._index.feed.take(max_keys)
+
+    def describe(self) -> str:
+        budget = format_size(self.config.bytes_to_use)
+        return f"filesystem {self.config.root_dir} (budget {budget} for the directory, LRU)"
 
     def stats(self) -> FilesystemTierStats:
         """Keys, bytes and counters (writes, failures by reason, evictions, bad files...)."""

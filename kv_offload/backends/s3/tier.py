@@ -57,6 +57,7 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.s3.config import S3TierConfig
+from kv_offload.config import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,11 @@ class S3Tier(StorageTier):
         except (BotoCoreError, ClientError, OSError) as e:
             self._book.count("clear_failed")
             self._book.note("clear", "could not delete the objects of %s: %s", self._where, e)
+
+    def describe(self) -> str:
+        where = self.config.endpoint_url or "AWS S3"
+        return f"s3 {where} bucket {self.config.bucket!r} (budget " \
+            f"{format_size(self.config.bytes_to_use)}, LRU)"
 
     def stats(self) -> TierStats:
         counts = self._book.counts()

@@ -156,6 +156,9 @@ class ValkeyTier(StorageTier):
             self._book.note("clear", "could not delete the keys of %s on %s: %s",
                             self._namespace, self.config.display_url, e)
 
+    def describe(self) -> str:
+        return f"valkey {self.config.display_url} (eviction: the server's maxmemory policy)"
+
     def stats(self) -> TierStats:
         """Keys in the view; the server's used memory and maxmemory (whole server, as of the
         last refresh: the server, not this tier, decides what it evicts)."""
