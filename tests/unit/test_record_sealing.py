@@ -22,8 +22,8 @@ DATA = bytes(range(256)) * 16 + b"tail"  # 4100 bytes: not a multiple of the AES
 KEYED = [Authenticated(SECRET), Encrypted(SECRET)]
 
 
-def unpack(record, codec, key=KEY, fp=FP, n=len(DATA)):
-    out = bytearray(n)
+def unpack(record, codec, key=KEY, fp=FP):
+    out = bytearray(len(DATA))
     got = unpack_into(record, key, fp, memoryview(out), align=NETWORK_ALIGN, codec=codec)
     return got, bytes(out)
 
