@@ -46,6 +46,12 @@ class OffloadConfig:
     (see kv_offload.backends); None: fs_root_dir decides."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Settings of storage_tier, checked by that tier (unknown options are refused)."""
+    secret_file: str | None = None
+    """A file (mode 0600) holding the secret shared by the engines that share the storage
+    tier: with it, only records tagged with that secret are served (kv_offload.backends.sealing).
+    Only the path is kept here: the secret is read where keys are derived, never logged."""
+    encrypt: bool = False
+    """Encrypt stored records with AES-GCM under a key derived from secret_file."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
         """The offloaded chunk size in tokens: the engine's block size (the one rule: a
@@ -128,6 +134,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             raise ConfigError(f"fs_fsync must be true or false, got {extra['fs_fsync']!r}")
         values["fs_fsync"] = extra["fs_fsync"]
     values.update(_parse_storage_tier(extra))
+    values.update(_parse_secret(extra))
     config = OffloadConfig(**values)
     from kv_offload.backends import check_storage_config  # (lazy: tiers import their clients)
 
@@ -155,3 +162,24 @@ def _parse_storage_tier(extra: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise ConfigError(f"storage_options must be a dict with string keys, got {options!r}")
     return {"storage_tier": tier, "storage_options": dict(options)}
+
+
+def _parse_secret(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`secret_file` (checked now: exists, private, not empty) and `encrypt` (needs it)."""
+    path, encrypt = extra.get("secret_file"), extra.get("encrypt", False)
+    if not isinstance(encrypt, bool):
+        raise ConfigError(f"encrypt must be true or false, got {encrypt!r}")
+    if path is None:
+        if encrypt:
+            raise ConfigError("encrypt: true needs secret_file (a file, mode 0600, holding "
+                              "the shared secret the encryption key is derived from)")
+        return {}
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"secret_file must be a non-empty path string, got {path!r}")
+    from kv_offload.backends.sealing import check_crypto_available
+    from kv_offload.secret_file import read_secret
+
+    path = os.path.abspath(os.path.expanduser(path))
+    check_crypto_available()
+    read_secret(path)  # the checks only: the bytes are read again where keys are derived
+    return {"secret_file": path, "encrypt": encrypt}

@@ -10,7 +10,9 @@ nothing downstream.
 Storage keys carry a generation: a connector reset starts a new one, so nothing stored
 before it is served after it, without deleting a file (other engines may be reading them;
 old generations age out under the storage tier's budget). Generation 0 is the one every
-engine starts in, so engines sharing a directory, and restarts, share their keys.
+engine starts in, so engines sharing a directory, and restarts, share their keys; after a
+reset the storage tier keeps the new generation and engines that start later begin there
+(`kv_offload.generations`), so a restart does not bring pre-reset keys back.
 
 Storage key layout: 8 bytes of generation, 2 bytes of group (little endian), the block
 hash (int hashes as 32 bytes, little endian).

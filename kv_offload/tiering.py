@@ -35,9 +35,11 @@ import xxhash
 
 from kv_offload.backends.base import StorageTier, TierStats
 from kv_offload.backends.cpu import CpuBackend
+from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig, format_size
 from kv_offload.faults import FaultLog
+from kv_offload.generations import read_stored_generation, write_stored_generation
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
 from kv_offload.manager import OffloadManager
@@ -76,7 +78,8 @@ class TieredStore(LoadPipeline, StorePipeline):
                  storage: StorageTier | None = None, eviction_policy: str = "lru",
                  pin: bool | None = None, read_timeout_s: float = 30.0,
                  staging_slots: int | None = None, store_stage_timeout_s: float = 1.0,
-                 report_storage_copies: bool = False) -> None:
+                 report_storage_copies: bool = False, codec: RecordCodec = CHECKSUM,
+                 fingerprint: str = "") -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
@@ -86,7 +89,18 @@ class TieredStore(LoadPipeline, StorePipeline):
         self.staging_slots = staging_slots or max(1, self.cpu.num_slots // 4)
         self.faults = FaultLog("kv-offload tiers")
         self.view = KeyView(report_storage_copies=report_storage_copies)
+        # The storage key generation: the one the storage tier keeps (a reset before a
+        # restart stays in force; see kv_offload.generations). `codec` and `fingerprint`
+        # seal that record as the tier's own records are sealed.
+        self._codec, self._fingerprint = codec, fingerprint
         self._generation = FIRST_GENERATION
+        if storage is not None:
+            stored = read_stored_generation(storage, codec, fingerprint)
+            if stored is None:  # unreadable or not verifiable: never pre-reset keys
+                self._generation = new_generation()
+            else:
+                self._generation = stored
+        self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
         self._ids = itertools.count(1)
         self._open: set[int] = set()  # jobs whose result is not delivered yet
         self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
@@ -103,11 +117,14 @@ class TieredStore(LoadPipeline, StorePipeline):
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str, *, report_storage_copies: bool = False) -> TieredStore:
         from kv_offload.backends import make_storage_tier
+        from kv_offload.backends.sealing import make_codec
 
-        storage = make_storage_tier(config, fingerprint)  # fs_root_dir or storage_tier
+        codec = make_codec(config.secret_file, config.encrypt)
+        storage = make_storage_tier(config, fingerprint, codec)  # fs_root_dir or storage_tier
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
                    eviction_policy=config.eviction_policy,
-                   report_storage_copies=report_storage_copies)
+                   report_storage_copies=report_storage_copies, codec=codec,
+                   fingerprint=fingerprint)
 
     # --- queries (memory only) ---
 
@@ -145,6 +162,13 @@ class TieredStore(LoadPipeline, StorePipeline):
         """The point in the engine's work a copy must wait for, recorded on the calling
         thread's current stream (GPU); pass it to `submit_store` / `submit_load`."""
         return self.cpu.engine_ready()
+
+    def take_rejected(self, usage: TierUsage) -> int:
+        """Stored records the storage tier refused (bad checksum or tag) since the last call,
+        from a `usage()` snapshot (the tier counts them since it started)."""
+        total = usage.storage["rejected_records"]
+        new, self._rejected_seen = max(0, total - self._rejected_seen), total
+        return new
 
     def take_key_failures(self) -> dict[Direction, int]:
         """Storage keys whose read or write failed since the last call (for metrics)."""
@@ -255,12 +279,17 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     def reset(self) -> None:
         """Forget everything: host slots at once (loads in progress finish with the old
-        bytes), storage keys by starting a new generation (no file is deleted and nothing
-        waits: other engines may share the storage; old keys age out under its budget)."""
+        bytes), storage keys by starting a new generation (no file is deleted: other engines
+        may share the storage; old keys age out under its budget). The new generation is
+        written to the storage tier (one small write, bounded by its timeouts), so a
+        restart starts in it too."""
         self.manager.reset()
         self.manager.take_events()
         self._generation = new_generation()
         self.view.reset()
+        if self.storage is not None:  # (rare, bounded by the tier's timeouts)
+            self._guarded("key generation", lambda: write_stored_generation(
+                self.storage, self._generation, self._codec, self._fingerprint), None)
 
     def close(self) -> None:
         self.cpu.close()

@@ -12,7 +12,9 @@ Contents:
 - ``tier_class(name)``: the class, imported lazily; ``ConfigError`` if it cannot be.
 - ``storage_choice(config)``: which tier the config asks for, with its options.
 - ``check_storage_config(config)``: validate that choice without opening anything.
-- ``make_storage_tier(config, fingerprint)``: open it (or None: host memory only).
+- ``make_storage_tier(config, fingerprint)``: open it (or None: host memory only). With
+  ``secret_file``, built-in tiers get the keyed record codec, and any other tier is wrapped in
+  ``SealedTier`` (see sealed_tier.py: a plug-in cannot opt out of authentication).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kv_offload.errors import ConfigError
 
 if TYPE_CHECKING:
     from kv_offload.backends.base import StorageTier
+    from kv_offload.backends.record import RecordCodec
     from kv_offload.config import OffloadConfig
 
 
@@ -91,9 +94,23 @@ def check_storage_config(config: OffloadConfig) -> None:
         tier_class(choice.name).check_options(choice.options)
 
 
-def make_storage_tier(config: OffloadConfig, fingerprint: str) -> StorageTier | None:
-    """Open the secondary tier of ``config`` for one layout ``fingerprint`` (None: none)."""
+def make_storage_tier(config: OffloadConfig, fingerprint: str,
+                      codec: RecordCodec | None = None) -> StorageTier | None:
+    """Open the secondary tier of ``config`` for one layout ``fingerprint`` (None: none).
+    ``codec``: how records are protected (default: the one ``config`` asks for)."""
+    from kv_offload.backends.sealing import make_codec
+
     choice = storage_choice(config)
     if choice is None:
         return None
-    return tier_class(choice.name).from_options(choice.options, fingerprint)
+    if codec is None:
+        codec = make_codec(config.secret_file, config.encrypt)
+    cls = tier_class(choice.name)
+    if choice.name in BUILTIN_TIERS:  # they write records themselves: given the codec
+        return cls.from_options(choice.options, fingerprint, codec=codec)
+    if not codec.keyed:
+        return cls.from_options(choice.options, fingerprint)
+    from kv_offload.backends.sealed_tier import SealedTier
+
+    inner = cls.from_options(choice.options, codec.tier_fingerprint(fingerprint))
+    return SealedTier(inner, codec, fingerprint)

@@ -2,7 +2,8 @@
 
 Contents:
 - `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close),
-  optional hooks with working defaults (take_changes, keys, clear, stats): callers never probe,
+  optional hooks with working defaults (take_changes, keys, clear, stats, discard,
+  read_generation, write_generation): callers never probe,
   and two classmethods that build a tier from the connector config (check_options,
   from_options; by default the options are the constructor's keyword arguments).
 - `TierJobResult`, `TierChanges`, `TierStats`: what a tier hands back.
@@ -144,6 +145,26 @@ class StorageTier(ABC):
         """One line for the start-up log: where the tier keeps its data and its budget,
         never a secret. Default: the class name."""
         return type(self).__name__
+
+    def discard(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
+        """Delete the values of ``keys``: the layer above found them unverifiable (forged,
+        damaged). Default: nothing, right for a tier whose writes overwrite a key it holds;
+        a tier that skips keys it already holds must delete here, or a bad value stays a
+        miss for good (never served: it fails verification at every read)."""
+
+    def read_generation(self) -> bytes | None:
+        """The generation record last written with ``write_generation`` by any process
+        sharing this tier (opaque bytes: the caller seals and checks them), or None. Called
+        once at start-up; may do bounded I/O. Default: None (this tier keeps none)."""
+        return None
+
+    def write_generation(self, record: bytes) -> bool:
+        """Replace the generation record (overwrite: never skip because one is there),
+        where every process opening this tier with the same fingerprint reads it. Called
+        on a connector reset. False: this tier cannot keep one (the default; then a reset
+        lasts until the process ends: after a restart, keys stored before it are served
+        again, which the caller warns about)."""
+        return False
 
     # -- construction from the connector config (`storage_tier`, `storage_options`) --
 

@@ -17,9 +17,17 @@ so any changed header byte (padding included) is caught too.
 Records of one layout are kept together under ``layout_namespace(fingerprint)`` (a directory
 name, a key prefix): a listing never even sees another layout's records.
 
+How the data is protected is a ``RecordCodec``: the default, ``CHECKSUM``, is the unkeyed
+xxh3-64 above (it catches damage, not forgery: anyone who can write to the store can make a
+record that verifies). With ``secret_file`` the tiers get a keyed codec instead
+(``kv_offload.backends.sealing``: an HMAC tag, or AES-GCM encryption) whose name goes in
+the header's ``checksum`` field and whose records live under another namespace, so the two
+kinds never pass for each other. Every function below takes the codec (default: CHECKSUM).
+
 Contents: ``pack`` and ``unpack_into`` (a whole record, for stores that hold values in one
-piece), ``build_header``, ``parse_header``, ``check_header``, ``data_offset``, ``checksum``,
-``layout_namespace``, ``RecordFormatError``, ``HeaderInfo``, ``Unpacked``.
+piece; ``pack_into``), ``build_header``, ``parse_header``, ``check_header``, ``names_match``,
+``data_offset``, ``checksum``, ``layout_namespace``, ``RecordCodec``, ``CHECKSUM``,
+``RecordFormatError``, ``HeaderInfo``, ``Unpacked``.
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ import xxhash
 FORMAT_VERSION = "1"
 TENSOR_NAME = "kv"
 NETWORK_ALIGN = 8  # data offset alignment for values in network stores
-_CHECKSUM_HEX_DIGITS = 16
 _MAX_HEADER_BYTES = 1 << 20
 
 
@@ -63,36 +70,99 @@ def layout_namespace(fingerprint: str) -> str:
     return f"kv-v{FORMAT_VERSION}-{xxhash.xxh3_64_hexdigest(fingerprint.encode())}"
 
 
-def _header_json(key_hex: str, fingerprint: str, data_len: int, digest: str) -> bytes:
+class RecordCodec:
+    """How a record's data is checked (and maybe transformed) on its way to and from a store.
+
+    This base class is the unkeyed xxh3-64 checksum (``CHECKSUM``); keyed codecs override it
+    (``kv_offload.backends.sealing``). ``digest`` is what the header's ``checksum`` field
+    holds after ``algo:``: ``digest_chars`` hex digits.
+    """
+
+    algo = "xxh3_64"
+    digest_chars = 16
+    encrypts = False
+    """True: the stored bytes differ from the data (``seal`` writes them into ``out``)."""
+    keyed = False
+    """True: only holders of the secret make records that verify. A keyed codec's headers
+    are not trusted on their own either: a record of the right key whose header claims
+    another size is deleted as bad (an unkeyed record of another size is kept: the
+    caller's buffer is what is wrong)."""
+
+    def namespace(self, fingerprint: str) -> str:
+        """Where this codec's records of one layout live (a directory name, a key prefix)."""
+        return layout_namespace(fingerprint)
+
+    def tier_fingerprint(self, fingerprint: str) -> str:
+        """The fingerprint a plug-in tier is given (keyed codecs: one of their own, so a
+        plug-in keeps sealed and plain records apart as it keeps layouts apart)."""
+        return fingerprint
+
+    def header_names(self, key: bytes, fingerprint: str) -> tuple[str, str]:
+        """(key hex, fingerprint) as the header shows them."""
+        return key.hex(), fingerprint
+
+    def seal(self, key: bytes, fingerprint: str, data: memoryview,
+             out: memoryview | None = None) -> str:
+        """The digest of ``data`` for this key and layout; an encrypting codec writes the
+        stored bytes (as many as ``data``) into ``out``."""
+        return checksum(data)
+
+    def open(self, key: bytes, fingerprint: str, digest: str, data: memoryview,
+             out: memoryview | None = None) -> bool:
+        """Whether the stored bytes ``data`` verify against ``digest`` for this key and
+        layout; if so their plaintext is put into ``out`` (None: ``data`` is already where
+        it belongs, decrypted there in place). On False, ``out`` (or ``data``) may hold
+        anything: nothing may be served from it."""
+        if checksum(data) != digest:
+            return False
+        if out is not None:
+            out[:] = data
+        return True
+
+
+CHECKSUM = RecordCodec()
+
+
+def _header_json(key_hex: str, fingerprint: str, data_len: int, digest: str,
+                 algo: str) -> bytes:
     doc = {
         "__metadata__": {
             "format": "kv-offload",
             "format_version": FORMAT_VERSION,
             "layout_fingerprint": fingerprint,
             "key": key_hex,
-            "checksum": "xxh3_64:" + digest,
+            "checksum": f"{algo}:{digest}",
         },
         TENSOR_NAME: {"dtype": "U8", "shape": [data_len], "data_offsets": [0, data_len]},
     }
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def data_offset(key: bytes, fingerprint: str, data_len: int, *, align: int) -> int:
+def data_offset(key: bytes, fingerprint: str, data_len: int, *, align: int,
+                codec: RecordCodec = CHECKSUM) -> int:
     """Where the data starts in the record for this key: a multiple of ``align``."""
-    body = _header_json(key.hex(), fingerprint, data_len, "0" * _CHECKSUM_HEX_DIGITS)
+    body = _header_json(*codec.header_names(key, fingerprint), data_len,
+                        "0" * codec.digest_chars, codec.algo)
     return -(-(8 + len(body)) // align) * align
 
 
 def build_header(key: bytes, fingerprint: str, data_len: int, digest: str, *,
-                 align: int) -> bytes:
+                 align: int, codec: RecordCodec = CHECKSUM) -> bytes:
     """The bytes before the data: length prefix and space-padded JSON, ``data_offset`` long."""
-    body = _header_json(key.hex(), fingerprint, data_len, digest)
-    offset = data_offset(key, fingerprint, data_len, align=align)
+    body = _header_json(*codec.header_names(key, fingerprint), data_len, digest, codec.algo)
+    offset = data_offset(key, fingerprint, data_len, align=align, codec=codec)
     body += b" " * (offset - 8 - len(body))
     return struct.pack("<Q", len(body)) + body
 
 
-def parse_header(head: bytes | memoryview, *, align: int) -> HeaderInfo:
+def names_match(info: HeaderInfo, key: bytes, fingerprint: str,
+                codec: RecordCodec = CHECKSUM) -> bool:
+    """Whether a parsed header names this key and layout (as ``codec`` writes them)."""
+    return (info.key_hex, info.fingerprint) == codec.header_names(key, fingerprint)
+
+
+def parse_header(head: bytes | memoryview, *, align: int,
+                 codec: RecordCodec = CHECKSUM) -> HeaderInfo:
     """Parse the header at the start of ``head``; raise ``RecordFormatError`` if it is not ours.
 
     Valid only if re-building the header from what it claims gives back the exact same bytes,
@@ -113,33 +183,43 @@ def parse_header(head: bytes | memoryview, *, align: int) -> HeaderInfo:
         fingerprint = meta["layout_fingerprint"]
         data_len = tensor["shape"][0]
         algo, digest = meta["checksum"].split(":")
-        key = bytes.fromhex(key_hex)
+        bytes.fromhex(key_hex)  # (the check: a key is hex)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise RecordFormatError(f"unreadable header: {e}") from e
+    if algo != codec.algo:  # a record of the other mode (with or without a secret)
+        raise RecordFormatError(f"record protected by {algo!r}, expected {codec.algo!r}")
     if (
-        algo != "xxh3_64"
-        or len(digest) != _CHECKSUM_HEX_DIGITS
+        len(digest) != codec.digest_chars
         or not isinstance(data_len, int)
         or data_len < 0
         or not isinstance(fingerprint, str)
     ):
         raise RecordFormatError("header fields have unexpected types or values")
-    expected = build_header(key, fingerprint, data_len, digest, align=align)
+    expected = _rebuilt_header(key_hex, fingerprint, data_len, digest, align, codec)
     if head != expected:
         raise RecordFormatError("header is not byte-identical to the one this format writes")
     return HeaderInfo(key_hex, fingerprint, data_len, digest, len(expected))
 
 
+def _rebuilt_header(key_hex: str, fingerprint: str, data_len: int, digest: str, align: int,
+                    codec: RecordCodec) -> bytes:
+    """The header the writer of these claimed fields would have written (names as given)."""
+    body = _header_json(key_hex, fingerprint, data_len, digest, codec.algo)
+    body += b" " * (-(-(8 + len(body)) // align) * align - 8 - len(body))
+    return struct.pack("<Q", len(body)) + body
+
+
 def check_header(head: bytes | memoryview, key: bytes, fingerprint: str, data_len: int, *,
-                 align: int) -> str:
-    """The checksum a header promises for the data, if it is this key's header for this layout.
+                 align: int, codec: RecordCodec = CHECKSUM) -> str:
+    """The digest a header promises for the data, if it is this key's header for this layout.
 
     Raises ``RecordFormatError`` naming what differs (foreign layout, other key, other size).
     """
-    info = parse_header(head, align=align)
-    if info.fingerprint != fingerprint:
+    info = parse_header(head, align=align, codec=codec)
+    want_key, want_fingerprint = codec.header_names(key, fingerprint)
+    if info.fingerprint != want_fingerprint:
         raise RecordFormatError(f"foreign layout fingerprint {info.fingerprint!r}")
-    if info.key_hex != key.hex():
+    if info.key_hex != want_key:
         raise RecordFormatError(f"header names key {info.key_hex}")
     if info.data_len != data_len:
         raise RecordFormatError(f"header says {info.data_len} data bytes, expected {data_len}")
@@ -161,31 +241,56 @@ class Unpacked:
     held_bytes: int | None = None
 
 
-def pack(key: bytes, fingerprint: str, data: memoryview, *, align: int) -> bytes:
-    """A whole record: header then data (one copy of the data, into the returned bytes)."""
-    header = build_header(key, fingerprint, len(data), checksum(data), align=align)
-    return b"".join((header, data))
+def pack(key: bytes, fingerprint: str, data: memoryview, *, align: int,
+         codec: RecordCodec = CHECKSUM) -> bytes | bytearray:
+    """A whole record: header then data (one copy of the data, into the returned bytes;
+    an encrypting codec writes its ciphertext there instead)."""
+    if not codec.encrypts:
+        header = build_header(key, fingerprint, len(data), codec.seal(key, fingerprint, data),
+                              align=align, codec=codec)
+        return b"".join((header, data))
+    record = bytearray(data_offset(key, fingerprint, len(data), align=align, codec=codec)
+                       + len(data))
+    pack_into(key, fingerprint, data, memoryview(record), align=align, codec=codec)
+    return record
+
+
+def pack_into(key: bytes, fingerprint: str, data: memoryview, record: memoryview, *,
+              align: int, codec: RecordCodec = CHECKSUM) -> None:
+    """Write the whole record of ``data`` into ``record`` (exactly ``data_offset`` +
+    ``len(data)`` bytes long)."""
+    offset = data_offset(key, fingerprint, len(data), align=align, codec=codec)
+    if len(record) != offset + len(data):
+        raise ValueError(f"record buffer of {len(record)} bytes, expected {offset + len(data)}")
+    body = record[offset:]
+    if codec.encrypts:
+        digest = codec.seal(key, fingerprint, data, body)
+    else:
+        digest = codec.seal(key, fingerprint, data)
+        body[:] = data
+    record[:offset] = build_header(key, fingerprint, len(data), digest, align=align,
+                                   codec=codec)
 
 
 def unpack_into(record: bytes | memoryview, key: bytes, fingerprint: str, out: memoryview, *,
-                align: int) -> Unpacked:
-    """Check a whole record against this key, layout and ``len(out)``, and copy its data
-    into ``out`` only if the header and the checksum hold (``out`` is untouched otherwise)."""
+                align: int, codec: RecordCodec = CHECKSUM) -> Unpacked:
+    """Check a whole record against this key, layout and ``len(out)``, and put its data into
+    ``out`` only if the header and the digest hold (otherwise ``out`` is untouched by an
+    unkeyed or authenticating codec, and undefined after a failed decryption)."""
     n = len(out)
     try:
-        digest = check_header(record, key, fingerprint, n, align=align)
+        digest = check_header(record, key, fingerprint, n, align=align, codec=codec)
     except RecordFormatError as e:
         try:
-            info = parse_header(record, align=align)
+            info = parse_header(record, align=align, codec=codec)
         except RecordFormatError:
             return Unpacked(bad=str(e))
-        intact = (info.key_hex == key.hex() and info.fingerprint == fingerprint
+        intact = (not codec.keyed and names_match(info, key, fingerprint, codec)
                   and len(record) == info.data_offset + info.data_len)
         return Unpacked(held_bytes=info.data_len) if intact else Unpacked(bad=str(e))
-    data = memoryview(record)[data_offset(key, fingerprint, n, align=align):]
+    data = memoryview(record)[data_offset(key, fingerprint, n, align=align, codec=codec):]
     if len(data) != n:
         return Unpacked(bad=f"{len(data)} data bytes after the header, expected {n}")
-    if checksum(data) != digest:
-        return Unpacked(bad="checksum mismatch")
-    out[:] = data
+    if not codec.open(key, fingerprint, digest, data, out):
+        return Unpacked(bad=f"{codec.algo} digest mismatch")
     return Unpacked(ok=True)

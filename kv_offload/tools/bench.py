@@ -34,7 +34,7 @@ from kv_offload.tools.report import STATISTIC, Table, emit, envelope
 
 BUILTIN_BACKENDS = ("cpu", "filesystem", "valkey", "s3")
 COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
-TIER_FLAGS = ("fs_root", "total_mib", "connections")
+TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes")
 # The flags each backend honours besides COMMON; any other flag given is refused.
 HONOURED: dict[str, tuple[str, ...]] = {
     "cpu": ("model", "layers", "layout", "pattern"),
@@ -88,6 +88,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--endpoint-url", default=None,
                        help="s3: the endpoint (default: moto on loopback)")
     tiers.add_argument("--bucket", default=None, help="s3: an existing bucket")
+    tiers.add_argument("--record-modes", nargs="+", default=None, metavar="MODE",
+                       choices=["plain", "auth", "encrypt"],
+                       help="run each built-in tier once per record mode, same cells, same "
+                            "run: plain (no secret), auth (secret_file: HMAC tags), encrypt "
+                            "(AES-GCM); rows 'TIER+auth', 'TIER+encrypt' (default: plain)")
     tiers.add_argument("--tier-options", default=None, metavar="JSON",
                        help="module:Class: its storage_options, as JSON (default {})")
 

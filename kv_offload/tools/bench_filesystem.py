@@ -25,7 +25,7 @@ from kv_offload.backends.filesystem.io_engine import (
     probe_direct_io,
     pwritev_all,
 )
-from kv_offload.tools.bench_stores import filesystem_factory, plan_from_args
+from kv_offload.tools.bench_stores import filesystem_factory, plan_from_args, with_record_modes
 from kv_offload.tools.bench_tiers import MIB, BenchTier, RawCell, RawMeasure, run_tier_bench
 
 BIG_REQUEST = 64 * MIB
@@ -38,7 +38,8 @@ RAW = "raw disk"
 def run_filesystem_bench(args: argparse.Namespace) -> dict:
     plan = plan_from_args(args, DEFAULT_PAGE_KIB, DEFAULT_CONNECTIONS, VALUES_PER_JOB)
     result = run_tier_bench(
-        "filesystem", {"filesystem": BenchTier(filesystem_factory)}, plan,
+        "filesystem", with_record_modes({"filesystem": BenchTier(filesystem_factory)},
+                                        args.record_modes), plan,
         baseline=RAW, baseline_note="raw sequential pwritev/preadv of one file, best of the "
                                     "value size and 64 MiB requests",
         raw=[RawMeasure(RAW, raw_disk)])

@@ -8,20 +8,26 @@
     kv-offload bench --backend mypkg.tier:MyTier --tier-options '{"max_bytes": 1073741824}'
 
 Loopback numbers measure the client, the server and the memory copies on this machine, not
-a network. A ``module:Class`` tier is opened with ``from_options(--tier-options)``, as the
-connector opens it; it has no connection count of its own (one cell per value size).
+a network. ``--record-modes plain auth encrypt`` runs the built-in tiers once per record mode
+(rows ``TIER``, ``TIER+auth``, ``TIER+encrypt``), with a random secret of the run's own: the
+cost of ``secret_file`` and of ``encrypt: true``, measured side by side. A ``module:Class``
+tier is opened with ``from_options(--tier-options)``, as the connector opens it; it has no
+connection count of its own (one cell per value size).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
+import secrets
 import shutil
 
 from kv_offload.backends.base import StorageTier
+from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import BenchArgumentError
 from kv_offload.tools.bench_tiers import (
     MIB,
@@ -54,13 +60,25 @@ def plan_from_args(args: argparse.Namespace, page_kib: tuple[int, ...],
         repeats=args.repeats, seed=args.seed, work_root=args.fs_root or DEFAULT_FS_ROOT)
 
 
-def filesystem_factory(conns: int, workdir: str) -> StorageTier:
+def with_record_modes(tiers: dict[str, BenchTier], modes: list[str] | None) -> dict:
+    """Each tier once per record mode (``--record-modes``): a factory given the codec."""
+    from kv_offload.backends.sealing import Authenticated, Encrypted
+
+    secret = secrets.token_bytes(32)  # (this run's own: nothing is kept)
+    codecs = {"plain": CHECKSUM, "auth": Authenticated(secret), "encrypt": Encrypted(secret)}
+    return {name if mode == "plain" else f"{name}+{mode}":
+            BenchTier(functools.partial(tier.make, codec=codecs[mode]), tier.clear_after)
+            for name, tier in tiers.items() for mode in (modes or ["plain"])}
+
+
+def filesystem_factory(conns: int, workdir: str,
+                       codec: RecordCodec = CHECKSUM) -> StorageTier:
     """The filesystem tier in a fresh directory (under --fs-root), ``conns`` io threads."""
     from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 
     budget = shutil.disk_usage(workdir).free  # never the limit; within the disk's size
-    return FilesystemTier(FilesystemTierConfig(workdir, LAYOUT, budget,
-                                               io_threads=conns, rescan_interval_s=0))
+    return FilesystemTier(FilesystemTierConfig(workdir, LAYOUT, budget, io_threads=conns,
+                                               rescan_interval_s=0, codec=codec))
 
 
 def run_shared_store_bench(args: argparse.Namespace) -> dict:
@@ -81,6 +99,8 @@ def run_shared_store_bench(args: argparse.Namespace) -> dict:
         keep = args.backend == "valkey" and args.url is None
         tiers = {args.backend: BenchTier(make, clear_after=not keep),
                  "filesystem": BenchTier(filesystem_factory)}
+        if args.record_modes:
+            tiers = with_record_modes(tiers, args.record_modes)
         return run_tier_bench(
             args.backend, tiers, plan_from_args(args, DEFAULT_PAGE_KIB, connections,
                                                 VALUES_PER_JOB),
@@ -129,10 +149,11 @@ def _valkey_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str
         url = server.url
         note = f"local {os.path.basename(server.binary)} on loopback, full and evicting"
 
-    def make(conns: int, workdir: str) -> StorageTier:
+    def make(conns: int, workdir: str, codec: RecordCodec = CHECKSUM) -> StorageTier:
         return ValkeyTier.from_options({"url": url, "connections": conns,
                                         "key_prefix": f"kv-offload-bench-{os.getpid()}:",
-                                        "timeout_s": 30.0, "refresh_interval_s": 0}, LAYOUT)
+                                        "timeout_s": 30.0, "refresh_interval_s": 0}, LAYOUT,
+                                       codec=codec)
     make.server = server  # (the raw baseline runs on the same server)
     return make, note
 
@@ -154,11 +175,12 @@ def _s3_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str]:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         note = "moto's S3 server on loopback: a correctness reference, not a performance one"
 
-    def make(conns: int, workdir: str) -> StorageTier:
+    def make(conns: int, workdir: str, codec: RecordCodec = CHECKSUM) -> StorageTier:
         return S3Tier.from_options({"bucket": bucket, "endpoint_url": endpoint,
                                     "bytes_to_use": 1 << 40, "connections": conns,
                                     "prefix": f"kv-offload-bench-{os.getpid()}/",
-                                    "timeout_s": 60.0, "refresh_interval_s": 0}, LAYOUT)
+                                    "timeout_s": 60.0, "refresh_interval_s": 0}, LAYOUT,
+                                   codec=codec)
     return make, note
 
 

@@ -30,6 +30,7 @@ COUNTERS: tuple[str, ...] = (
     "store_jobs", "store_blocks", "store_bytes", "store_seconds", "store_failed_blocks",
     "store_skipped_blocks",
     "faults_scheduler", "faults_worker", "storage_read_failed_keys", "storage_write_failed_keys",
+    "storage_rejected_records",
 )
 GAUGES: tuple[str, ...] = ("host_bytes_used", "host_bytes_total", "disk_bytes_used",
                            "disk_bytes_total")
@@ -159,12 +160,16 @@ class KVOffloadStats(KVConnectorStats):
         self._add("faults_scheduler", scheduler)
         self._add("faults_worker", worker)
 
-    def record_storage_failures(self, read_keys: int, write_keys: int) -> None:
+    def record_storage_failures(self, read_keys: int, write_keys: int,
+                                rejected_records: int = 0) -> None:
         """Keys the storage tier failed to read (missing, corrupt, server down) or to write
-        (full disk, server down)."""
-        _check_amounts(read_keys=read_keys, write_keys=write_keys)
+        (full disk, server down); of the reads, records it refused: a bad header, checksum
+        or keyed tag (damaged, foreign, or forged by a writer without the shared secret)."""
+        _check_amounts(read_keys=read_keys, write_keys=write_keys,
+                       rejected_records=rejected_records)
         self._add("storage_read_failed_keys", read_keys)
         self._add("storage_write_failed_keys", write_keys)
+        self._add("storage_rejected_records", rejected_records)
 
     def set_usage(
         self,
@@ -270,6 +275,9 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._add_counter("storage_failed_keys", "Keys the storage tier failed to read or "
                           "write (missing, corrupt, full disk, server down), by op.", "op",
                           STORAGE_OPS)
+        self._add_counter("storage_rejected_records", "Stored records refused on read (bad "
+                          "header, checksum or keyed tag: damaged, foreign, or written "
+                          "without the shared secret); each was a miss and was removed.")
         for suffix, doc in (("used", "Bytes in use"), ("total", "Byte budget")):
             self._add_metric(self._gauge_cls, f"tier_bytes_{suffix}",
                              f"{doc} in each offload tier, summed over ranks.", "tier", TIERS,
@@ -317,6 +325,8 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         for op in STORAGE_OPS:
             self._inc("storage_failed_keys", engine_idx,
                       stats.count(f"storage_{op}_failed_keys"), op)
+        self._inc("storage_rejected_records", engine_idx,
+                  stats.count("storage_rejected_records"))
 
 
 def build_prom_metrics(

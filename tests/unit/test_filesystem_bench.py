@@ -45,3 +45,21 @@ def test_the_raw_baseline_writes_and_reads_back_the_same_bytes(tmp_path):
     assert store_gbps > 0 and load_gbps > 0
     assert torch.equal(source, target)
     assert (tmp_path / "raw.bin").stat().st_size == size * count
+
+
+def test_record_modes_measure_each_mode_in_the_same_run_with_every_byte_checked(tmp_path):
+    out, root = tmp_path / "fs.json", tmp_path / "root"
+    status = main(["bench", "--backend", "filesystem", "--fs-root", str(root),
+                   "--page-kib", "64", "--total-mib", "1", "--connections", "2",
+                   "--repeats", "1", "--record-modes", "plain", "auth", "encrypt",
+                   "--json", str(out)])
+    result = json.loads(out.read_text())["results"]
+    assert status == 0 and result["mismatches"] == 0 and result["failed_keys"] == 0
+    tiers = {c["tier"]: c for c in result["cells"]}
+    assert set(tiers) == {"filesystem", "filesystem+auth", "filesystem+encrypt", RAW}
+    assert all(c["store_gbps"] > 0 and c["load_gbps"] > 0 for c in tiers.values())
+
+
+def test_record_modes_do_not_apply_to_the_cpu_backend(capsys):
+    assert main(["bench", "--backend", "cpu", "--record-modes", "auth"]) == 2
+    assert "--record-modes does not apply to --backend cpu" in capsys.readouterr().err

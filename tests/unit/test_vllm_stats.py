@@ -33,7 +33,7 @@ def worker_stats(rank: int, load_bytes: int, host_used: int) -> KVOffloadStats:
                        skipped_blocks=3)
     stats.set_usage(host_used, 8 * GIB, 0, 0, rank=rank)
     stats.record_faults(worker=rank + 1)
-    stats.record_storage_failures(read_keys=rank, write_keys=1)
+    stats.record_storage_failures(read_keys=rank, write_keys=1, rejected_records=rank)
     return stats
 
 
@@ -261,3 +261,15 @@ def test_prometheus_counters_add_up_and_gauges_follow():
     metrics.observe(newer.to_dict(), engine_idx=0)
     assert sample("tier_bytes_used", tier="host") == 50
     assert sample("query_tokens_total") == 1024
+
+
+def test_rejected_records_reach_their_prometheus_counter():
+    registry = CollectorRegistry()
+    metrics = build_prom_metrics(kv_vllm_config(), registry_metric_types(registry),
+                                 ["model_name", "engine"], {0: ["m", "0"]})
+    step = KVOffloadStats()
+    step.record_storage_failures(read_keys=3, write_keys=0, rejected_records=2)
+    metrics.observe(step.to_dict(), engine_idx=0)
+    metrics.observe(step.to_dict(), engine_idx=0)
+    assert registry.get_sample_value("vllm:kv_offload_storage_rejected_records_total",
+                                     {"model_name": "m", "engine": "0"}) == 4

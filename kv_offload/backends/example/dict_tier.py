@@ -6,6 +6,10 @@ built-in tiers (tests/unit/test_tier_suite.py). Jobs complete synchronously; res
 ``poll``. Choose it with ``"storage_tier": "kv_offload.backends.example:DictTier"`` and
 ``"storage_options": {"max_bytes": ...}``: the options are the constructor's keyword
 arguments (``StorageTier.from_options``' default), checked at start-up.
+
+Optional hooks it implements: ``discard`` (drop values the layer above found unverifiable)
+and the generation record (kept in memory: this tier forgets everything at exit anyway).
+With ``secret_file`` it stores sealed records without knowing it (``SealedTier``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class DictTier(StorageTier):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self._generation: bytes | None = None
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         check_tier_keys(keys)
@@ -50,6 +55,18 @@ class DictTier(StorageTier):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._data.pop(key, None)
+
+    def read_generation(self) -> bytes | None:
+        return self._generation
+
+    def write_generation(self, record: bytes) -> bool:
+        self._generation = bytes(record)
+        return True
 
     def _store(self, key: bytes, buf: torch.Tensor) -> bool:
         if buf.numel() > self.max_bytes:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kv_offload.backends.base import TierStats
 from kv_offload.backends.options import option
+from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
 
 
@@ -36,6 +37,7 @@ class FilesystemTierConfig:
     # every rescan and at least every quarter of this. Use one value for all tiers of a root.
     heartbeat_timeout_s: float = option("seconds", 120.0, "a layout directory without a "
                                                           "heartbeat for this long is evictable")
+    codec: RecordCodec = CHECKSUM  # given by the connector (secret_file), not an option
 
     def __post_init__(self) -> None:
         if isinstance(self.root_dir, os.PathLike):

@@ -14,6 +14,8 @@ import os
 import time
 
 from kv_offload.backends.filesystem.fileformat import (
+    CHECKSUM,
+    RecordCodec,
     fanout_dir_name,
     key_from_file_name,
     layout_dir_name,
@@ -28,7 +30,8 @@ _HEX = "0123456789abcdef"
 FANOUT_DIRS = [a + b for a in _HEX for b in _HEX]
 
 
-def prepare_layout_dir(root_dir: str, fingerprint: str, host: str) -> tuple[str, bool]:
+def prepare_layout_dir(root_dir: str, fingerprint: str, host: str,
+                       codec: RecordCodec = CHECKSUM) -> tuple[str, bool]:
     """Create ``<root>/<layout dir>/<fan-out dirs>`` and check that files can be written there.
 
     Returns (layout dir, whether O_DIRECT works there). Raises ``TierRootError`` naming the root
@@ -39,7 +42,7 @@ def prepare_layout_dir(root_dir: str, fingerprint: str, host: str) -> tuple[str,
         raise TierRootError(
             errno.ENOTDIR, f"fs_root_dir {root!r} is not a directory; expected a directory"
         )
-    layout_dir = os.path.join(root, layout_dir_name(fingerprint))
+    layout_dir = os.path.join(root, layout_dir_name(fingerprint, codec))
     try:
         for fanout in FANOUT_DIRS:
             os.makedirs(os.path.join(layout_dir, fanout), exist_ok=True)

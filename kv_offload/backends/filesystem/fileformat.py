@@ -20,47 +20,54 @@ import xxhash
 
 from kv_offload.backends import record
 from kv_offload.backends.record import (  # noqa: F401 (re-exported for the filesystem tier)
+    CHECKSUM,
     FORMAT_VERSION,
     TENSOR_NAME,
     HeaderInfo,
+    RecordCodec,
     checksum,
+    names_match,
 )
 
 ALIGN = 4096
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp."
+GENERATION_NAME = ".kv-generation"  # the layout's key generation (a record; see tiering)
 
 # The header is the one every tier writes (kv_offload.backends.record); files align their data
 # to ALIGN bytes. The filesystem tier calls a record that is not ours a FileFormatError.
 FileFormatError = record.RecordFormatError
 
 
-def data_offset(key: bytes, fingerprint: str, data_len: int) -> int:
+def data_offset(key: bytes, fingerprint: str, data_len: int,
+                codec: RecordCodec = CHECKSUM) -> int:
     """Where the data starts in the file for this key: a multiple of ``ALIGN``."""
-    return record.data_offset(key, fingerprint, data_len, align=ALIGN)
+    return record.data_offset(key, fingerprint, data_len, align=ALIGN, codec=codec)
 
 
-def build_header(key: bytes, fingerprint: str, data_len: int, digest: str) -> bytes:
+def build_header(key: bytes, fingerprint: str, data_len: int, digest: str,
+                 codec: RecordCodec = CHECKSUM) -> bytes:
     """The bytes before the data: length prefix and space-padded JSON, ``data_offset`` long."""
-    return record.build_header(key, fingerprint, data_len, digest, align=ALIGN)
+    return record.build_header(key, fingerprint, data_len, digest, align=ALIGN, codec=codec)
 
 
-def parse_header(head: bytes | memoryview) -> HeaderInfo:
+def parse_header(head: bytes | memoryview, codec: RecordCodec = CHECKSUM) -> HeaderInfo:
     """Parse the header at the start of ``head``; raise ``FileFormatError`` if it is not ours."""
-    return record.parse_header(head, align=ALIGN)
+    return record.parse_header(head, align=ALIGN, codec=codec)
 
 
-def check_header(head: bytes | memoryview, key: bytes, fingerprint: str, data_len: int) -> str:
-    """The checksum a header promises for the data, if it is this key's header for this layout.
+def check_header(head: bytes | memoryview, key: bytes, fingerprint: str, data_len: int,
+                 codec: RecordCodec = CHECKSUM) -> str:
+    """The digest a header promises for the data, if it is this key's header for this layout.
 
     Raises ``FileFormatError`` naming what differs (foreign layout, other key, other size).
     """
-    return record.check_header(head, key, fingerprint, data_len, align=ALIGN)
+    return record.check_header(head, key, fingerprint, data_len, align=ALIGN, codec=codec)
 
 
-def layout_dir_name(fingerprint: str) -> str:
-    """The directory that holds the files of one layout (and one format version)."""
-    return record.layout_namespace(fingerprint)
+def layout_dir_name(fingerprint: str, codec: RecordCodec = CHECKSUM) -> str:
+    """The directory that holds the files of one layout (and one format version and codec)."""
+    return codec.namespace(fingerprint)
 
 
 def fanout_dir_name(key: bytes) -> str:

@@ -44,6 +44,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kv_offload.backends.filesystem.fileformat import GENERATION_NAME
 from kv_offload.backends.filesystem.io_engine import unlink_quietly
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,9 @@ def evict_stale(
         (mtime, size, path)
         for d in dirs
         for path, size, mtime in _files_under(d.path)
-        if os.path.basename(path) != HEARTBEAT_NAME
+        # (the generation record goes last, with the directory: evicted while keys of an
+        # older generation remain, a restart would serve them again)
+        if os.path.basename(path) not in (HEARTBEAT_NAME, GENERATION_NAME)
     )
     for _, size, path in files:
         if done.bytes >= nbytes:
@@ -221,7 +224,7 @@ def _prune(layout_dir: str) -> bool:
         return True
     left = False
     for entry in entries:
-        if entry.name == HEARTBEAT_NAME:
+        if entry.name in (HEARTBEAT_NAME, GENERATION_NAME):
             continue
         try:
             if entry.is_dir(follow_symlinks=False):
@@ -232,6 +235,7 @@ def _prune(layout_dir: str) -> bool:
         left = True
     if left:
         return False
+    unlink_quietly(os.path.join(layout_dir, GENERATION_NAME))
     unlink_quietly(os.path.join(layout_dir, HEARTBEAT_NAME))
     try:
         os.rmdir(layout_dir)

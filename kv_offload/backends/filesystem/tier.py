@@ -4,7 +4,11 @@
 - Writes and reads run on a thread pool, one task per key, many files in flight. A write lands
   under a temporary name and is renamed into place; a read fills the host buffer in place and
   is served only if the header (format, layout fingerprint, key, size) and the xxh3 checksum
-  of the data match. A bad file is removed and reported as a failed key, never raised.
+  of the data match (with ``secret_file``: the keyed tag, or the AES-GCM decryption, of
+  ``config.codec``; see ``kv_offload.backends.sealing``). A bad file is removed, counted as
+  ``rejected_records``, logged once per episode, and reported as a failed key, never raised.
+  Removing it is also what keeps a planted file from blocking the key: writes skip keys
+  the index holds, and the next write after the failed read stores the real value.
 - A byte budget with LRU eviction; a key being read is never evicted. A write deletes the
   files it evicts only after its own file has landed: a full disk fails the write and keeps
   them. Write failures are counted by reason and logged once per episode (``episodes``).
@@ -50,16 +54,21 @@ from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
     build_header,
     check_header,
-    checksum,
     data_offset,
+    names_match,
     parse_header,
     relative_path,
     temp_file_name,
+)
+from kv_offload.backends.filesystem.generation_file import (
+    read_generation_file,
+    write_generation_file,
 )
 from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
     FileSizeMismatch,
     IOEngine,
+    aligned_host_buffer,
     host_view,
     read_head,
     unlink_quietly,
@@ -67,6 +76,8 @@ from kv_offload.backends.filesystem.io_engine import (
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
 from kv_offload.backends.options import parse_options
+from kv_offload.backends.record import CHECKSUM, RecordCodec
+from kv_offload.backends.rejections import Rejections
 from kv_offload.config import format_size
 from kv_offload.errors import TierClosedError
 
@@ -95,8 +106,9 @@ class FilesystemTier(StorageTier):
         self.config = config
         self._host = socket.gethostname()
         self._layout_dir, direct_ok = prepare_layout_dir(
-            config.root_dir, config.layout_fingerprint, self._host
+            config.root_dir, config.layout_fingerprint, self._host, config.codec
         )
+        self._rejections = Rejections(f"kv-offload filesystem tier {self._layout_dir}")
         self._io = IOEngine(direct=config.direct_io and direct_ok, fsync=config.fsync)
         self._index = KeyIndex(config.bytes_to_use)
         self._counts: Counter[str] = Counter()
@@ -122,9 +134,10 @@ class FilesystemTier(StorageTier):
         parse_options(FilesystemTierConfig, options, tier="filesystem", layout_fingerprint="check")
 
     @classmethod
-    def from_options(cls, options, layout_fingerprint: str) -> FilesystemTier:
+    def from_options(cls, options, layout_fingerprint: str, *,
+                     codec: RecordCodec = CHECKSUM) -> FilesystemTier:
         config = parse_options(FilesystemTierConfig, options, tier="filesystem",
-                               layout_fingerprint=layout_fingerprint)
+                               layout_fingerprint=layout_fingerprint, codec=codec)
         root = os.path.abspath(os.path.expanduser(config.root_dir))
         return cls(dataclasses.replace(config, root_dir=root))
 
@@ -142,7 +155,8 @@ class FilesystemTier(StorageTier):
                 job.succeeded[i] = True
                 self._count("write_skipped_present")
                 continue
-            size = data_offset(key, self.config.layout_fingerprint, buf.numel()) + buf.numel()
+            size = data_offset(key, self.config.layout_fingerprint, buf.numel(),
+                               self.config.codec) + buf.numel()
             reservation = self._index.reserve(size)
             if reservation is None:  # no room in this tier's share, even after evicting all
                 # it may (keys being read, room held by writes in flight): no disk fault
@@ -212,6 +226,13 @@ class FilesystemTier(StorageTier):
         removed = [key for key in held if self._index.remove(key)]
         self._delete(removed)
 
+    def read_generation(self) -> bytes | None:
+        return read_generation_file(self._layout_dir)
+
+    def write_generation(self, record: bytes) -> bool:
+        return write_generation_file(self._layout_dir, temp_file_name(
+            os.getpid(), f"{self._temp_token}-{next(self._temp_seq)}", self._host), record)
+
     def file_path(self, key: bytes) -> str:
         """Where the file of ``key`` lives (whether or not it exists)."""
         return os.path.join(self._layout_dir, relative_path(key))
@@ -262,10 +283,15 @@ class FilesystemTier(StorageTier):
         reservation: Reservation,
     ) -> None:
         victims: list[bytes] | None = None
+        codec = self.config.codec
         try:
-            header = build_header(
-                key, self.config.layout_fingerprint, buf.numel(), checksum(host_view(buf))
-            )
+            stored = buf  # what goes to disk: the data, or its ciphertext
+            if codec.encrypts:
+                stored = aligned_host_buffer(buf.numel())
+            digest = codec.seal(key, self.config.layout_fingerprint, host_view(buf),
+                                host_view(stored) if codec.encrypts else None)
+            header = build_header(key, self.config.layout_fingerprint, buf.numel(), digest,
+                                  codec)
             final = self.file_path(key)
             for attempt in (0, 1):
                 temp = os.path.join(
@@ -275,7 +301,7 @@ class FilesystemTier(StorageTier):
                     ),
                 )
                 try:
-                    self._io.write_new(temp, final, header, buf)
+                    self._io.write_new(temp, final, header, stored)
                     break
                 except FileNotFoundError:  # the fan-out directory was removed: recreate it
                     if attempt:
@@ -314,17 +340,19 @@ class FilesystemTier(StorageTier):
             self._key_done(job, i, ok)
 
     def _read_checked(self, key: bytes, path: str, buf: torch.Tensor) -> bool:
-        fingerprint = self.config.layout_fingerprint
+        fingerprint, codec = self.config.layout_fingerprint, self.config.codec
         try:
-            head = self._io.read(path, data_offset(key, fingerprint, buf.numel()), buf)
+            head = self._io.read(path, data_offset(key, fingerprint, buf.numel(), codec), buf)
         except FileSizeMismatch as e:
             return self._size_mismatch(key, path, buf.numel(), e.actual)
         try:
-            expected_digest = check_header(head, key, fingerprint, buf.numel())
+            expected_digest = check_header(head, key, fingerprint, buf.numel(), codec)
         except FileFormatError as e:
             return self._discard(key, path, f"bad header: {e}")
-        if checksum(host_view(buf)) != expected_digest:
-            return self._discard(key, path, "checksum mismatch")
+        # (verified, and decrypted when encrypting, in place in the host buffer)
+        if not codec.open(key, fingerprint, expected_digest, host_view(buf)):
+            return self._discard(key, path, f"{codec.algo} digest mismatch")
+        self._rejections.verified()
         self._index.touch(key)
         with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
             os.utime(path)
@@ -335,13 +363,14 @@ class FilesystemTier(StorageTier):
 
     def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:
         """A file whose size does not fit the buffer: a caller mistake, or a damaged file."""
+        codec = self.config.codec
         try:
-            info = parse_header(read_head(path))
+            info = parse_header(read_head(path), codec)
         except FileFormatError as e:
             return self._discard(key, path, f"bad header: {e}")
         intact = (
-            info.key_hex == key.hex()
-            and info.fingerprint == self.config.layout_fingerprint
+            not codec.keyed  # (a keyed record's size claim is not trusted unverified)
+            and names_match(info, key, self.config.layout_fingerprint, codec)
             and actual == info.data_offset + info.data_len
         )
         if not intact:
@@ -357,6 +386,6 @@ class FilesystemTier(StorageTier):
         """Report a bad file: forget the key and remove the file so it is never read again."""
         self._index.remove(key)
         unlink_quietly(path)
-        self._count("read_failed", "bad_files_removed")
-        logger.warning("kv-offload: removed bad file %s (key %s): %s", path, key.hex(), reason)
+        self._count("read_failed", "bad_files_removed", "rejected_records")
+        self._rejections.rejected(key, f"{path}: {reason}")
         return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_offload.backends.options import check_remote_bounds, option
+from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
@@ -22,6 +23,7 @@ class S3TierConfig:
     bytes_to_use: int = option("size", doc="budget of this tier's objects, LRU-evicted by "
                                            "the client (several writers share it loosely)")
     layout_fingerprint: str = ""  # given by the connector, not an option
+    codec: RecordCodec = CHECKSUM  # given by the connector (secret_file), not an option
     endpoint_url: str | None = option("optional_str", None, "e.g. http://minio:9000; None: "
                                                             "AWS")
     prefix: str = option("str", "kv-offload/", "key prefix of every object")

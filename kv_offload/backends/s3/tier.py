@@ -3,6 +3,10 @@
 - One object per block, ``<prefix><layout namespace>/<key hex>``, holding a record
   (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
   data): an object from another layout or damaged is a miss and is deleted; never wrong bytes.
+  With ``secret_file`` the checksum is a keyed tag or AES-GCM (``config.codec``): an object
+  written without the secret is refused and deleted the same way, counted as
+  ``rejected_records``, logged once per episode; deleting it is what keeps a planted object
+  from blocking ``If-None-Match`` writes of the real one for good.
   One object per block, not per chunk of blocks: a block is the unit the engine asks for,
   and blocks of one prompt are hit and evicted independently. (``kv-offload bench --backend
   s3`` measures the per-object cost at 1, 4 and 16 MiB; objects grouping several blocks were
@@ -49,13 +53,15 @@ from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
 from kv_offload.backends.record import (
+    CHECKSUM,
     NETWORK_ALIGN,
+    RecordCodec,
     data_offset,
-    layout_namespace,
     pack,
     unpack_into,
 )
 from kv_offload.backends.refresher import Refresher
+from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.config import format_size
 
@@ -73,7 +79,7 @@ class S3Tier(StorageTier):
 
     def __init__(self, config: S3TierConfig) -> None:
         self.config = config
-        self._root = f"{config.prefix}{layout_namespace(config.layout_fingerprint)}/"
+        self._root = f"{config.prefix}{config.codec.namespace(config.layout_fingerprint)}/"
         style = config.addressing_style or ("path" if config.endpoint_url else "auto")
         self._s3 = boto3.session.Session().client(
             "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
@@ -89,6 +95,7 @@ class S3Tier(StorageTier):
         where = config.endpoint_url or "AWS S3"
         self._where = f"s3://{config.bucket}/{self._root} at {where}"
         self._outage = Outage(f"object store {where}", config.retry_interval_s, logger)
+        self._rejections = Rejections(f"kv-offload S3 tier {self._where}")
         self._conditional = config.conditional_put
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io")
         self._refresher = Refresher(self.refresh, config.refresh_interval_s,
@@ -101,9 +108,10 @@ class S3Tier(StorageTier):
         parse_options(S3TierConfig, options, tier="s3", layout_fingerprint="check")
 
     @classmethod
-    def from_options(cls, options, layout_fingerprint: str) -> S3Tier:
+    def from_options(cls, options, layout_fingerprint: str, *,
+                     codec: RecordCodec = CHECKSUM) -> S3Tier:
         return cls(parse_options(S3TierConfig, options, tier="s3",
-                                 layout_fingerprint=layout_fingerprint))
+                                 layout_fingerprint=layout_fingerprint, codec=codec))
 
     # -- the StorageTier interface -------------------------------------------------------
 
@@ -120,7 +128,8 @@ class S3Tier(StorageTier):
                 self._book.count("write_skipped_present")
                 self._book.finish(job, [i], True)
                 continue
-            size = data_offset(key, fingerprint, buf.numel(), align=NETWORK_ALIGN) + buf.numel()
+            size = data_offset(key, fingerprint, buf.numel(), align=NETWORK_ALIGN,
+                               codec=self.config.codec) + buf.numel()
             reservation = self._index.reserve(size)  # victims go once this write landed
             if reservation is None:
                 self._book.count("write_failed", "write_failed_budget")
@@ -182,6 +191,27 @@ class S3Tier(StorageTier):
         return TierStats(keys=len(self._index), bytes_used=self._index.used_bytes,
                          bytes_budget=self.config.bytes_to_use, counts=counts)
 
+    def read_generation(self) -> bytes | None:
+        """The generation record, an object beside this layout's (None if absent; an
+        unreachable endpoint raises, bounded by the timeouts)."""
+        try:
+            reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._generation_name())
+        except ClientError as e:
+            if _code(e) in ABSENT:
+                return None
+            raise
+        return reply["Body"].read(1 << 16)
+
+    def write_generation(self, record: bytes) -> bool:
+        try:  # (a plain put: replaces it)
+            self._s3.put_object(Bucket=self.config.bucket, Key=self._generation_name(),
+                                Body=record)
+        except (BotoCoreError, ClientError, OSError) as e:
+            logger.warning("kv-offload: could not write the generation record of %s: %s",
+                           self._where, e)
+            return False
+        return True
+
     def refresh(self) -> None:
         """List the prefix now: adopt others' objects, drop vanished ones, evict to budget."""
         if not self._outage.should_try():
@@ -212,6 +242,9 @@ class S3Tier(StorageTier):
     def _name(self, key: bytes) -> str:
         return self._root + key.hex()
 
+    def _generation_name(self) -> str:
+        return self._root + "generation"  # (not hex: a listing never takes it for a key)
+
     def _key_of(self, name: str) -> bytes | None:
         try:
             return bytes.fromhex(name[len(self._root):]) or None
@@ -226,7 +259,7 @@ class S3Tier(StorageTier):
                 self._book.count("write_failed", "write_failed_unreachable")
                 return
             sent = self._put(key, pack(key, self.config.layout_fingerprint, host_view(buf),
-                                       align=NETWORK_ALIGN))
+                                       align=NETWORK_ALIGN, codec=self.config.codec))
             victims = self._index.commit(reservation, key, size)
             ok = True
             self._outage.succeeded()
@@ -275,7 +308,7 @@ class S3Tier(StorageTier):
             body = reply["Body"].read()
             self._outage.succeeded()
             got = unpack_into(body, key, self.config.layout_fingerprint, host_view(buf),
-                              align=NETWORK_ALIGN)
+                              align=NETWORK_ALIGN, codec=self.config.codec)
             if got.bad is not None:
                 self._discard(key, got.bad)
             elif not got.ok:
@@ -284,6 +317,7 @@ class S3Tier(StorageTier):
                                 "%d; not served", key.hex(), got.held_bytes, buf.numel())
             else:
                 ok = True
+                self._rejections.verified()
                 self._book.count("read_ok")
                 self._book.count("bytes_read", n=len(body))
         except ClientError as e:
@@ -304,8 +338,8 @@ class S3Tier(StorageTier):
     def _discard(self, key: bytes, reason: str) -> None:
         """An object that is not ours to serve: delete it, forget the key."""
         self._forget([key])
-        self._book.count("read_failed", "bad_objects_removed")
-        self._book.note("bad-object", "removed bad object %s: %s", self._name(key), reason)
+        self._book.count("read_failed", "bad_objects_removed", "rejected_records")
+        self._rejections.rejected(key, f"{self._name(key)}: {reason}")
         self._delete([key])
 
     def _forget(self, keys: list[bytes]) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from kv_offload.backends.options import check_remote_bounds, option
+from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
 
 URL_SCHEMES = ("redis", "rediss", "unix")
@@ -23,6 +24,7 @@ class ValkeyTierConfig:
     url: str = option("str", doc="redis://[user:password@]HOST:PORT/DB, rediss:// for TLS, "
                                  "or unix:///path/to.sock")
     layout_fingerprint: str = ""  # given by the connector, not an option
+    codec: RecordCodec = CHECKSUM  # given by the connector (secret_file), not an option
     key_prefix: str = option("str", "kv-offload:", "prefix of every key (a namespace shared "
                                                    "by the servers that share a cache)")
     timeout_s: float = option("seconds", 1.0, "bound on each socket read or write")

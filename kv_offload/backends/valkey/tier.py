@@ -3,7 +3,11 @@
 - One key per block, ``<key_prefix><layout namespace>:<key hex>``; its value is a record
   (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
   then the data), so a value from another model, layout or library version, or damaged, is a
-  miss and is deleted; never wrong bytes.
+  miss and is deleted; never wrong bytes. With ``secret_file`` the checksum is a keyed tag
+  or AES-GCM (``config.codec``, kv_offload.backends.sealing): a value written without the
+  secret is refused the same way, counted as ``rejected_records`` and logged once per
+  episode. Deleting it is what keeps ``SET NX`` from keeping a planted value for good: the
+  next write after the failed read stores the real one.
 - ``lookup`` answers from an in-memory ``ServerKeys`` (never the network): our own writes and
   reads, and a background ``SCAN`` every ``refresh_interval_s`` (see view.py).
 - Jobs run on ``connections`` I/O threads, split into batches of at most ``batch_bytes`` (and
@@ -45,14 +49,15 @@ from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
 from kv_offload.backends.record import (
+    CHECKSUM,
     NETWORK_ALIGN,
+    RecordCodec,
     build_header,
-    checksum,
-    layout_namespace,
     pack,
     unpack_into,
 )
 from kv_offload.backends.refresher import Refresher
+from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
 from kv_offload.backends.valkey.view import ServerKeys
@@ -72,7 +77,7 @@ class ValkeyTier(StorageTier):
 
     def __init__(self, config: ValkeyTierConfig) -> None:
         self.config = config
-        self._namespace = f"{config.key_prefix}{layout_namespace(config.layout_fingerprint)}:"
+        self._namespace = f"{config.key_prefix}{config.codec.namespace(config.layout_fingerprint)}:"
         self._prefix = self._namespace.encode()
         self._packer = split_value_packer()
         pool = redis.BlockingConnectionPool.from_url(
@@ -90,6 +95,7 @@ class ValkeyTier(StorageTier):
         self._outage = Outage(f"Valkey server {config.display_url}", config.retry_interval_s,
                               logger)
         self._view = ServerKeys()
+        self._rejections = Rejections(f"kv-offload Valkey tier {config.display_url}")
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io")
         self._refresher = Refresher(self.refresh, config.refresh_interval_s,
@@ -102,9 +108,10 @@ class ValkeyTier(StorageTier):
         parse_options(ValkeyTierConfig, options, tier="valkey", layout_fingerprint="check")
 
     @classmethod
-    def from_options(cls, options, layout_fingerprint: str) -> ValkeyTier:
+    def from_options(cls, options, layout_fingerprint: str, *,
+                     codec: RecordCodec = CHECKSUM) -> ValkeyTier:
         return cls(parse_options(ValkeyTierConfig, options, tier="valkey",
-                                 layout_fingerprint=layout_fingerprint))
+                                 layout_fingerprint=layout_fingerprint, codec=codec))
 
     # -- the StorageTier interface -------------------------------------------------------
 
@@ -168,6 +175,21 @@ class ValkeyTier(StorageTier):
         return TierStats(keys=len(self._view), bytes_used=used, bytes_budget=budget,
                          counts=counts)
 
+    def read_generation(self) -> bytes | None:
+        """The generation record, a value beside the keys of this layout (None if absent;
+        an unreachable server raises, bounded by the timeouts)."""
+        value = self._redis.get(self._generation_name())
+        return value if isinstance(value, bytes) else None
+
+    def write_generation(self, record: bytes) -> bool:
+        try:
+            self._redis.set(self._generation_name(), record)  # (plain SET: replaces it)
+        except SERVER_ERRORS as e:
+            logger.warning("kv-offload: could not write the generation record to %s: %s",
+                           self.config.display_url, e)
+            return False
+        return True
+
     def refresh(self) -> None:
         """SCAN the server now: adopt keys others wrote, drop keys it no longer holds."""
         if not self._outage.should_try():
@@ -198,6 +220,9 @@ class ValkeyTier(StorageTier):
 
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
+
+    def _generation_name(self) -> bytes:
+        return self._prefix + b"generation"  # (not hex: never taken for a key by a SCAN)
 
     def _key_of(self, name: bytes) -> bytes | None:
         try:
@@ -296,10 +321,12 @@ class ValkeyTier(StorageTier):
 
     def _encode(self, key: bytes, buf: torch.Tensor) -> SplitValue | bytes:
         """The value of ``key``: its record, sent from the host buffer without a copy."""
-        data, fingerprint = host_view(buf), self.config.layout_fingerprint
-        if self._packer is None:  # pragma: no cover - see packer.py
-            return pack(key, fingerprint, data, align=NETWORK_ALIGN)
-        header = build_header(key, fingerprint, len(data), checksum(data), align=NETWORK_ALIGN)
+        data, fingerprint, codec = host_view(buf), self.config.layout_fingerprint, \
+            self.config.codec
+        if self._packer is None or codec.encrypts:  # (ciphertext: one buffer either way)
+            return pack(key, fingerprint, data, align=NETWORK_ALIGN, codec=codec)
+        header = build_header(key, fingerprint, len(data), codec.seal(key, fingerprint, data),
+                              align=NETWORK_ALIGN, codec=codec)
         return SplitValue(header, data)
 
     def _fill(self, key: bytes, value, buf: torch.Tensor) -> bool:
@@ -315,7 +342,7 @@ class ValkeyTier(StorageTier):
                             value)
             return False
         got = unpack_into(value, key, self.config.layout_fingerprint, host_view(buf),
-                          align=NETWORK_ALIGN)
+                          align=NETWORK_ALIGN, codec=self.config.codec)
         if got.bad is not None:
             return self._discard(key, got.bad)
         if not got.ok:  # an intact value of another size: the caller's buffer is wrong
@@ -323,6 +350,7 @@ class ValkeyTier(StorageTier):
             self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has %d; "
                             "not served", key.hex(), got.held_bytes, buf.numel())
             return False
+        self._rejections.verified()
         self._book.count("read_ok")
         self._book.count("bytes_read", n=buf.numel())
         return True
@@ -331,9 +359,8 @@ class ValkeyTier(StorageTier):
         """A value that is not ours to serve: delete it (a later write replaces it), forget
         the key, report a miss."""
         self._view.discard([key])
-        self._book.count("read_failed", "bad_values_removed")
-        self._book.note("bad-value", "removed bad value of key %s from %s: %s", key.hex(),
-                        self.config.display_url, reason)
+        self._book.count("read_failed", "bad_values_removed", "rejected_records")
+        self._rejections.rejected(key, f"on {self.config.display_url}: {reason}")
         with contextlib.suppress(*SERVER_ERRORS):  # if not, the next read finds it bad again
             self._redis.unlink(self._name(key))
         return False
