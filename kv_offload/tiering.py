@@ -152,7 +152,12 @@ class TieredStore(LoadPipeline, StorePipeline):
         host = f"host tier {format_size(cpu.num_slots * cpu.slot_bytes)} ({cpu.num_slots} " \
                f"slots of {format_size(cpu.slot_bytes)}, eviction {self.eviction_policy})"
         storage = self.storage.describe() if self.storage is not None else "none"
-        return f"{host}; storage tier: {storage}"
+        codec = self._codec
+        trust = ("records encrypted and authenticated (secret_file, " if codec.encrypts else
+                 "records authenticated (secret_file, " if codec.keyed else
+                 "records unauthenticated (no secret_file: every writer of the store is "
+                 "trusted, ") + codec.algo + ")"
+        return f"{host}; storage tier: {storage}; {trust}"
 
     def take_fault_counts(self) -> dict[str, int]:
         """Faults contained since the last call, by where they happened (for metrics)."""
