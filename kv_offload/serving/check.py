@@ -198,9 +198,10 @@ def _check_server(client: ServingClient, report: CheckReport) -> ServerMetrics |
 
 def _check_connector(metrics: ServerMetrics, report: CheckReport) -> bool:
     if metrics.offload is None:
-        return report.add("connector", False, "no vllm:kv_offload_* metric on /metrics: the "
-                          "server runs without KVOffloadConnector (--kv-transfer-config) or "
-                          "with --disable-log-stats")
+        return report.add("connector", False, "no vllm:kv_offload_faults_total on /metrics: "
+                          "the server runs without KVOffloadConnector (--kv-transfer-config; "
+                          "vLLM's own offloading connector exposes other vllm:kv_offload_* "
+                          "metrics) or with --disable-log-stats")
     return report.add("connector", True, "KVOffloadConnector metrics on /metrics")
 
 

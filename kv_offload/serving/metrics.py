@@ -21,6 +21,9 @@ _QUERY_TOKENS = OFFLOAD_PREFIX + "query_tokens_total"
 _LOADED_BYTES = OFFLOAD_PREFIX + "loaded_bytes_total"
 _STORED_BYTES = OFFLOAD_PREFIX + "stored_bytes_total"
 _FAILED_BLOCKS = OFFLOAD_PREFIX + "failed_blocks_total"
+# vLLM's own offloading connectors also name their metrics `vllm:kv_offload_*`: a server runs
+# ours when it exposes this one, which only KVOffloadConnector has.
+OURS = OFFLOAD_PREFIX + "faults_total"
 # vLLM's own: tokens served from its prefix cache, and from a connector ("external").
 _LOCAL_HITS = "vllm:prefix_cache_hits_total"
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
@@ -77,7 +80,7 @@ def parse_metrics(text: str) -> ServerMetrics:
     prefix_caching: bool | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith(OFFLOAD_PREFIX):
+            if sample.name == OURS:
                 seen_offload = True
             if sample.name == _CACHE_CONFIG:
                 block_size = _int_or_none(sample.labels.get("block_size"))

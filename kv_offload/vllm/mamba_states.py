@@ -69,8 +69,8 @@ def check_mamba_servable(groups: list[KVCacheGroup], vllm_config: Any) -> None:
             f"Mamba-type states and vLLM runs it with enable_prefix_caching="
             f"{cache.enable_prefix_caching}, mamba_cache_mode={mode!r}: kv-offload serves "
             "Mamba-type hybrids only in vLLM's prefix-caching 'align' mode (the states vLLM "
-            "offers to connectors); enable prefix caching (enable_prefix_caching=True, "
-            "mamba_cache_mode='align' or unset)")
+            "offers to connectors): enable prefix caching (--enable-prefix-caching, "
+            "enable_prefix_caching=True), which selects that mode")
     speculative = [g for g in mamba if groups[g].spec.num_speculative_blocks]
     if speculative:
         raise ConfigError(

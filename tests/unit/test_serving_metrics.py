@@ -13,7 +13,8 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from kv_offload.serving.metrics import OffloadCounters, parse_metrics  # noqa: E402
 
 
-def exposition(*, with_connector: bool = True, engines: int = 2) -> str:
+def exposition(*, with_connector: bool = True, engines: int = 2,
+               vllms_own_offloading: bool = False) -> str:
     registry = prometheus_client.CollectorRegistry()
 
     def counter(name: str, *extra: str) -> prometheus_client.Counter:
@@ -31,8 +32,11 @@ def exposition(*, with_connector: bool = True, engines: int = 2) -> str:
         loaded = counter("vllm:kv_offload_loaded_bytes")
         stored = counter("vllm:kv_offload_stored_bytes")
         failed = counter("vllm:kv_offload_failed_blocks", "direction")
+        faults = counter("vllm:kv_offload_faults", "side")
         used = prometheus_client.Gauge("vllm:kv_offload_tier_bytes_used", "doc",
                                        ["engine", "model_name", "tier"], registry=registry)
+    if vllms_own_offloading:  # (vLLM's OffloadingConnector: the same prefix, other names)
+        theirs = counter("vllm:kv_offload_load_bytes")
     for e in range(engines):
         engine = (str(e), "m")
         info.labels(str(e), "64", "True").set(1)
@@ -47,6 +51,9 @@ def exposition(*, with_connector: bool = True, engines: int = 2) -> str:
             failed.labels(*engine, "load").inc(1 * (e + 1))
             failed.labels(*engine, "store").inc(2 * (e + 1))
             used.labels(*engine, "host").set(12345)
+            faults.labels(*engine, "worker").inc(0)
+        if vllms_own_offloading:
+            theirs.labels(*engine).inc(4096)
     return prometheus_client.generate_latest(registry).decode()
 
 
@@ -64,6 +71,11 @@ def test_a_server_without_the_connector_has_no_offload_counters():
     metrics = parse_metrics(exposition(with_connector=False))
     assert metrics.offload is None
     assert metrics.local_hit_tokens == 300
+
+
+def test_vllms_own_offloading_connector_is_not_taken_for_ours():
+    metrics = parse_metrics(exposition(with_connector=False, vllms_own_offloading=True))
+    assert metrics.offload is None
 
 
 def test_block_size_and_prefix_caching_come_from_vllms_cache_config_info():
