@@ -84,6 +84,10 @@ def test_after_waking_up_hits_stored_before_the_sleep_are_served(engine_and_work
 
 def test_the_connector_accepts_sleep_mode_and_defines_both_hooks():
     # vLLM 0.33 asks the class at config time; 0.32 never calls any of these.
-    assert KVOffloadConnector.supports_sleep_mode(None) is True
+    from vllm.config import KVTransferConfig
+
+    config = KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"cpu_bytes_to_use": "1MiB"})
+    assert KVOffloadConnector.supports_sleep_mode(config) is True
     for hook in ("unregister_kv_caches", "restore_kv_caches"):
         assert hook in KVOffloadConnector.__dict__
