@@ -70,6 +70,9 @@ class Load:
     targets: dict[OffloadKey, list[int]]  # key -> engine block ids
     started: float
     waiting: list[OffloadKey] = field(default_factory=list)  # storage keys not read yet
+    # Keys another job is bringing into host slots (a concurrent load's read of the same
+    # prefix): copied into the engine once they land there, not read twice.
+    awaiting: list[OffloadKey] = field(default_factory=list)
     reads: list[Read] = field(default_factory=list)  # storage reads in flight
     failed: list[OffloadKey] = field(default_factory=list)
     pending: int = 0  # host copies and reads in flight

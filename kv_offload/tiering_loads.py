@@ -7,6 +7,11 @@ poll until `read_timeout_s`), each batch copied into the engine and unpinned as 
 so a load of any size passes through a small host tier. A read that passes its deadline is
 given up (its slots stay reserved until the tier answers; the load goes on without it).
 
+Loads of the same keys at the same time (requests sharing a document, scheduled in one
+step) share one read: a key whose host slot another job is filling is `awaiting`, and is
+copied into the engine once it is ready there (or failed if that read fails, or at the
+deadline). Without this the second load found the slot reserved and failed.
+
 A load's result is delivered only when nothing of it is in flight, even when it failed
 whole (`closed`): vLLM frees a failed request's blocks, so no copy of ours may still be
 writing them. Handlers decrement `pending` first, so a fault in the rest of a handler
@@ -22,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 from kv_offload.key_view import storage_key
+from kv_offload.manager import SlotState
 from kv_offload.tiering_jobs import Load, Read, TieredResult, blocks_of, transfers
 from kv_offload.types import Direction, Location, OffloadKey
 
@@ -82,12 +88,32 @@ class LoadPipeline:
                 break
             del load.waiting[:len(batch)]
             ready = [k for k in plan.already_present if self.manager.is_ready(k)]
-            load.failed += [k for k in plan.already_present if not self.manager.is_ready(k)]
+            load.awaiting += [k for k in plan.already_present if not self.manager.is_ready(k)]
             self._copy_to_engine(load, ready)
             if plan.keys:
                 self._submit_read(load, plan.keys, plan.slots)
-        if not load.waiting or load.closed:
+        self._take_awaited(load)
+        if not (load.waiting or load.awaiting) or load.closed:
             self._staged.pop(load.job_id, None)
+        else:  # re-checked at every poll
+            self._staged[load.job_id] = load
+
+    def _take_awaited(self, load: Load) -> None:
+        """Copy the awaited keys that are ready in host slots now; fail those whose read
+        failed (no slot any more) and, past the deadline, those still not there."""
+        if not load.awaiting or load.closed:
+            return
+        late = time.monotonic() - load.started > self.read_timeout_s
+        ready, still = [], []
+        for key, state in zip(load.awaiting, self.manager.lookup(load.awaiting)):
+            if state is SlotState.READY:
+                ready.append(key)
+            elif state is SlotState.ABSENT or late:  # (ABSENT: the other read failed)
+                load.failed.append(key)
+            else:
+                still.append(key)
+        load.awaiting = still
+        self._copy_to_engine(load, ready)
 
     def _submit_read(self, load: Load, keys, slots) -> None:
         read = Read(load, tuple(keys), self._generation, time.monotonic())
@@ -158,7 +184,7 @@ class LoadPipeline:
     def _finish_load_if_done(self, load: Load) -> None:
         """Deliver the load's result once nothing of it is in flight: even a load that
         failed whole waits for its copies, so vLLM never reuses blocks we still write."""
-        if load.pending or (load.waiting and not load.closed):
+        if load.pending or ((load.waiting or load.awaiting) and not load.closed):
             return
         failed = blocks_of({k: load.targets[k] for k in dict.fromkeys(load.failed)})
         self._finish(TieredResult(load.job_id, Direction.LOAD, not failed and not load.closed,
