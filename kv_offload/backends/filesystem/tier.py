@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
@@ -108,7 +109,8 @@ class FilesystemTier(StorageTier):
         self._temp_token = secrets.token_hex(4)
         self._temp_seq = itertools.count()
         self._closed = False
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io")
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io",
+                                        initializer=join_our_cpus)
         self._rescanner = Rescanner(
             config, self._layout_dir, self._host, self._index, self._delete, self._count,
             lambda what: FailureEpisodes(what, self._counts, self._lock, logger),
