@@ -45,7 +45,7 @@ from kv_offload.backends.base import (
     check_tier_request,
 )
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
-from kv_offload.backends.filesystem.directory import prepare_layout_dir
+from kv_offload.backends.filesystem.directory import make_private_dirs, prepare_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
@@ -61,6 +61,7 @@ from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
     FileSizeMismatch,
     IOEngine,
+    NotRegularFile,
     host_view,
     read_head,
     unlink_quietly,
@@ -277,7 +278,7 @@ class FilesystemTier(StorageTier):
                 except FileNotFoundError:  # the fan-out directory was removed: recreate it
                     if attempt:
                         raise
-                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    make_private_dirs(os.path.dirname(final))
             victims = self._index.commit(reservation, key, size)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
@@ -316,6 +317,8 @@ class FilesystemTier(StorageTier):
             head = self._io.read(path, data_offset(key, fingerprint, buf.numel()), buf)
         except FileSizeMismatch as e:
             return self._size_mismatch(key, path, buf.numel(), e.actual)
+        except NotRegularFile as e:  # e.g. a FIFO planted under a key's name
+            return self._discard(key, path, str(e))
         try:
             expected_digest = check_header(head, key, fingerprint, buf.numel())
         except FileFormatError as e:
