@@ -114,6 +114,8 @@ def parse_header(head: bytes | memoryview, *, align: int) -> HeaderInfo:
         data_len = tensor["shape"][0]
         algo, digest = meta["checksum"].split(":")
         key = bytes.fromhex(key_hex)
+    except RecursionError:  # JSON nested deeper than the parser's stack: not ours
+        raise RecordFormatError("unreadable header: JSON nested too deeply") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise RecordFormatError(f"unreadable header: {e}") from e
     if (

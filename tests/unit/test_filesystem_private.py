@@ -75,3 +75,19 @@ def test_a_fifo_under_a_keys_name_is_a_miss_at_once_and_is_removed(tmp_path):
     start = time.monotonic()
     tier.close()
     assert time.monotonic() - start < 2.0
+
+
+def test_a_header_of_deeply_nested_json_is_a_miss_and_the_file_is_removed(tmp_path):
+    tier = make_tier(tmp_path)
+    key, data = chunk(3, SIZE)
+    assert write(tier, [key], [data]).ok
+    path = tier.file_path(key)
+    header_len = os.path.getsize(path) - SIZE - 8  # same size: only the header check can tell
+    nested = (b"[" * 2000 + b"]" * 2000).ljust(header_len)
+    with open(path, "wb") as f:
+        f.write(header_len.to_bytes(8, "little") + nested + bytes(SIZE))
+    out = torch.empty(SIZE, dtype=torch.uint8)
+    assert read(tier, [key], [out]).succeeded == (False,)
+    assert not os.path.exists(path) and tier.lookup([key]) == [False]
+    assert tier.stats()["bad_files_removed"] == 1
+    tier.close()
