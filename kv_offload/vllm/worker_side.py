@@ -51,6 +51,7 @@ from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
+from kv_offload.vllm.exit_hook import at_interpreter_exit
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
 from kv_offload.vllm.stats import KVOffloadStats
 
@@ -130,7 +131,7 @@ class OffloadWorker:
             self._pump = threading.Thread(target=self._run_pump, daemon=True,
                                           name=f"kv-offload-pump-{self.rank}")
             self._pump.start()
-        _at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
+        at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
 
     # --- per step, in vLLM's order ---
 
@@ -384,17 +385,3 @@ class OffloadWorker:
 
     def _clear_report(self, *, reset: bool) -> None:
         self._report_keys, self._report_held, self._report_reset = [], bytearray(), reset
-
-
-def _at_interpreter_exit(flush: weakref.WeakMethod) -> None:
-    """Call `flush()` (while the worker lives) when the main thread has ended, before Python
-    stops the thread pools our tiers write with. `atexit` runs too late for that; the
-    hook `concurrent.futures` itself uses does not (hooks run last-registered first)."""
-    def hook() -> None:
-        if (method := flush()) is not None:
-            method()
-
-    try:
-        threading._register_atexit(hook)  # (CPython >= 3.9; private, stable since)
-    except (AttributeError, RuntimeError):  # another Python, or already exiting
-        logger.debug("kv-offload: no write-through at interpreter exit", exc_info=True)
