@@ -59,13 +59,19 @@ class DeadlineSocket:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._timeout = sock.gettimeout()  # the client's own per-wait timeout
+        self._applied = self._timeout  # what the socket has now (settimeout is a syscall)
 
     def __getattr__(self, name: str):
         return getattr(self._sock, name)  # fileno, close, setsockopt, getpeercert...
 
     def settimeout(self, timeout: float | None) -> None:
         self._timeout = timeout
-        self._sock.settimeout(timeout)
+        self._apply(timeout)
+
+    def _apply(self, timeout: float | None) -> None:
+        if timeout != self._applied:
+            self._sock.settimeout(timeout)
+            self._applied = timeout
 
     def gettimeout(self) -> float | None:
         return self._timeout
@@ -73,15 +79,16 @@ class DeadlineSocket:
     def _arm(self) -> None:
         deadline = current_deadline()
         if deadline is None:
-            self._sock.settimeout(self._timeout)
+            self._apply(self._timeout)
             return
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the request's deadline passed")
         if self._timeout == 0:  # a non-blocking poll (e.g. "is there a reply?"): keep it
-            self._sock.settimeout(0)
+            self._apply(0)
             return
-        self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+        # (far from the deadline this is the client's timeout, unchanged: no syscall)
+        self._apply(left if self._timeout is None or left < self._timeout else self._timeout)
 
     def recv(self, *args):
         self._arm()
