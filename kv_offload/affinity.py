@@ -8,10 +8,16 @@ widens the calling thread's affinity, while our threads are created, to the proc
 CPUs, then restores it. Where the engine thread is not pinned to a subset of the process's
 CPUs (vLLM pinned to every CPU), or vLLM did not pin it (GPU workers, which a user may have
 bound with `taskset` or NUMA binding on purpose), it does nothing.
+
+Threads started later from the engine thread (a thread pool creates its workers lazily, at
+the first jobs submitted) would inherit the engine's pinning again: `spread_threads`
+remembers the CPUs it chose, and every thread pool of ours runs `join_our_cpus` as its
+workers' initializer, which moves the new worker there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -20,6 +26,17 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 _CGROUP_CPUS = "/sys/fs/cgroup/cpuset.cpus.effective"
+_our_cpus: set[int] | None = None  # where spread_threads put our threads (None: nowhere)
+
+
+def join_our_cpus() -> None:
+    """Move the calling thread (one we start: use as a thread pool's ``initializer``) to
+    the CPUs `spread_threads` chose for our threads; nothing if it chose none."""
+    cpus = _our_cpus
+    if cpus is None:
+        return
+    with contextlib.suppress(OSError):  # e.g. seccomp: stay put, as spread_threads does
+        os.sched_setaffinity(0, cpus)
 
 
 def process_cpus() -> set[int]:
@@ -76,6 +93,8 @@ def spread_threads(engine_pins_threads: bool = True) -> Iterator[None]:
         logger.info("kv-offload: could not move its threads off the engine's cores: %s", exc)
         yield
         return
+    global _our_cpus
+    _our_cpus = set(cpus)
     logger.info("kv-offload: the engine thread is pinned to CPUs %s; kv-offload's threads run "
                 "on CPUs %s", sorted(before), sorted(cpus))
     try:

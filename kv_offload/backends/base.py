@@ -178,10 +178,13 @@ class StorageTier(ABC):
     @classmethod
     def from_options(cls, options: Mapping[str, Any], layout_fingerprint: str) -> StorageTier:
         """Open the tier with its ``storage_options``. Bytes stored under one layout
-        fingerprint must never be served to another: a tier whose data outlives the process
-        or is shared keeps fingerprints apart, and overrides this to receive it.
-        Default: ``cls(**options)`` (right for a tier private to one process)."""
-        return cls(**options)
+        fingerprint must never be served to another. Default: ``cls(**options)`` wrapped in
+        a ``NamespacedTier``, which prefixes every key with the fingerprint's namespace, so
+        two models sharing a plug-in never mix. A tier that keeps fingerprints apart itself
+        (a directory or key prefix per layout, as the built-in ones) overrides this."""
+        from kv_offload.backends.namespaced import NamespacedTier  # (it subclasses this)
+
+        return NamespacedTier(cls(**options), layout_fingerprint)
 
 
 def check_constructor_options(cls: type, options: Mapping[str, Any]) -> None:

@@ -1,9 +1,16 @@
 """A throwaway server process on loopback, for tests and `kv-offload bench`: the part the
 Valkey and S3 launchers share (a free port, a work directory with the server's log, start
-and wait until it answers, SIGKILL as a crash would, restart on the same port)."""
+and wait until it answers, SIGKILL as a crash would, restart on the same port).
+
+A server must not outlive the process that started it (a test run or a bench killed with
+SIGKILL runs no cleanup): on Linux the child asks the kernel, before it runs the server, for
+SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``). The kernel sends it when the
+*thread* that started the child ends, so start servers from a thread that lives as long as
+they should (the main thread, in tests and the bench)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -11,6 +18,21 @@ import socket
 import subprocess
 import tempfile
 import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: SIGKILL this child when its parent dies (Linux; elsewhere nothing)."""
+    def arm() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: no such call
+            return
+        if os.getppid() != parent:  # the parent died before we asked
+            os.kill(os.getpid(), signal.SIGKILL)
+    return arm
 
 
 def first_on_path(names: tuple[str, ...]) -> str | None:
@@ -47,7 +69,8 @@ class LocalProcess:
         """Start (or restart, empty) the server on this port; wait until it answers."""
         with open(os.path.join(self.workdir, "server.log"), "ab") as log:
             self.process = subprocess.Popen(self.command(), stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            preexec_fn=_die_with_parent(os.getpid()))
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
         while not self.answers():
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -59,12 +59,13 @@ def parse_options(cls: type[T], options: Mapping[str, Any] | None, *, tier: str,
 
 def check_remote_bounds(config: Any) -> None:
     """What every server-backed tier's config needs: the connector's layout fingerprint,
-    and positive bounds on each wait (`timeout_s`, `connect_timeout_s`,
-    `retry_interval_s`): a zero or negative one would wait forever or spin."""
+    and positive bounds on each wait (`timeout_s`, `request_timeout_s`,
+    `connect_timeout_s`, `retry_interval_s`): a zero or negative one would wait forever or
+    spin."""
     if not isinstance(config.layout_fingerprint, str) or not config.layout_fingerprint:
         raise ConfigError(f"layout_fingerprint must be a non-empty str, got "
                           f"{config.layout_fingerprint!r}")
-    for name in ("timeout_s", "connect_timeout_s", "retry_interval_s"):
+    for name in ("timeout_s", "request_timeout_s", "connect_timeout_s", "retry_interval_s"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"storage_options.{name} must be > 0 (a bound on waiting), "
                               f"got {getattr(config, name)!r}")

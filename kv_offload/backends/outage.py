@@ -6,6 +6,11 @@ reset, timed out), the tier asks ``should_try`` before each call: for ``retry_in
 seconds the answer is no, and jobs fail at once as misses (the engine recomputes); then one
 call is let through as a probe. Its success ends the episode, its failure starts another wait.
 
+Each wait is jittered (full jitter: uniform over the interval, from a tenth of it so that a
+burst of jobs right after a failure still fails fast): the engines of a fleet that lost the
+same server at the same moment would otherwise all probe it at the same instants when it
+comes back.
+
 One warning when an episode starts, one info line when it ends (with how long it lasted and
 how many calls failed fast): logs stay readable however many keys fail.
 """
@@ -13,8 +18,11 @@ how many calls failed fast): logs stay readable however many keys fail.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
+
+MIN_JITTER = 0.1  # the shortest wait, as a fraction of retry_interval_s
 
 
 class Outage:
@@ -32,6 +40,14 @@ class Outage:
         self._skipped_at_start = 0
 
     @property
+    def retry_at(self) -> float:
+        """The monotonic time from which the next probe is let through (while down)."""
+        return self._next_try
+
+    def _wait(self) -> float:
+        return self.retry_interval_s * random.uniform(MIN_JITTER, 1.0)
+
+    @property
     def down(self) -> bool:
         return self._down_since is not None
 
@@ -43,7 +59,7 @@ class Outage:
                 return True
             now = time.monotonic()
             if now >= self._next_try:
-                self._next_try = now + self.retry_interval_s  # this caller is the probe
+                self._next_try = now + self._wait()  # this caller is the probe
                 return True
             self.skipped += 1
             return False
@@ -52,7 +68,7 @@ class Outage:
         """A call failed because of the server: start (or extend) an episode."""
         with self._lock:
             now = time.monotonic()
-            self._next_try = now + self.retry_interval_s
+            self._next_try = now + self._wait()
             if self._down_since is not None:
                 return
             self._down_since = now

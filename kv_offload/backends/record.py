@@ -184,6 +184,8 @@ def parse_header(head: bytes | memoryview, *, align: int,
         data_len = tensor["shape"][0]
         algo, digest = meta["checksum"].split(":")
         bytes.fromhex(key_hex)  # (the check: a key is hex)
+    except RecursionError:  # JSON nested deeper than the parser's stack: not ours
+        raise RecordFormatError("unreadable header: JSON nested too deeply") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise RecordFormatError(f"unreadable header: {e}") from e
     if algo != codec.algo:  # a record of the other mode (with or without a secret)

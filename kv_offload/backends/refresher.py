@@ -32,11 +32,12 @@ class Refresher:
         if self._thread is not None:
             self._thread.start()
 
-    def stop(self) -> None:
-        """Stop refreshing; waits for a refresh under way (it sees `stopping`)."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop refreshing; waits for a refresh under way (it sees `stopping`), at most
+        ``timeout_s`` (the thread is a daemon: one stuck past that cannot hold up exit)."""
         self.stopping.set()
         if self._thread is not None and self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         while not self.stopping.wait(self._interval_s):

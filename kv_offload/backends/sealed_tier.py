@@ -129,6 +129,9 @@ class SealedTier(StorageTier):
         counts["rejected_records"] = counts.get("rejected_records", 0) + rejected
         return dataclasses.replace(stats, counts=counts)
 
+    def describe(self) -> str:
+        return self.inner.describe()
+
     def discard(self, keys: Sequence[bytes]) -> None:
         self.inner.discard(keys)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kv_offload.affinity import join_our_cpus
 from kv_offload.kernels.geometry import Segment
 from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, argsort_ids, stretches
 
@@ -145,7 +146,7 @@ class CpuCopier:
             if direction not in self._pools:
                 self._pools[direction] = ThreadPoolExecutor(
                     self.threads, f"kv-offload-copy-{direction.value}",
-                    initializer=serial_torch_thread)
+                    initializer=_copy_thread)
             return self._pools[direction]
 
 
@@ -207,6 +208,13 @@ def _staged(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,
 
 
 _serial_lock = threading.Lock()
+
+
+def _copy_thread() -> None:
+    """A copy pool's worker, started lazily (at the first copy): off the engine's cores,
+    then single-threaded torch."""
+    join_our_cpus()
+    serial_torch_thread()
 
 
 def serial_torch_thread() -> None:

@@ -71,7 +71,9 @@ class RankKeys:
         """Whether every rank holds each of these keys of `group`, in order. Runs in C
         (`map` over each rank map's `__contains__`): ~4x cheaper than a call per key."""
         maps = self.group_maps(group)
-        flags = list(map(maps[0].__contains__, block_hashes)) if maps else []
+        if not maps:  # some rank has not reported yet: nothing is held by all
+            return [False] * len(block_hashes)
+        flags = list(map(maps[0].__contains__, block_hashes))
         for rank_held in maps[1:]:
             flags = list(map(and_, flags, map(rank_held.__contains__, block_hashes)))
         return flags

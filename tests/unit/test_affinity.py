@@ -66,3 +66,27 @@ def test_a_pinning_the_engine_did_not_make_is_kept_for_our_threads():
     user_cpu = {min(os.sched_getaffinity(0))}
     child, after = _in_pinned_thread(user_cpu, lambda: _thread_started_inside(False))
     assert child == user_cpu and after == user_cpu
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_io_threads_a_tier_starts_later_also_run_off_the_engine_cores(tmp_path):
+    from tier_helpers import chunk, write
+
+    from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
+
+    allowed = os.sched_getaffinity(0)
+    engine_cpu = {min(allowed)}
+
+    def open_then_write_later():
+        with spread_threads():  # the tier is opened here (as the worker does)...
+            tier = FilesystemTier(FilesystemTierConfig(str(tmp_path), "m", 1 << 30,
+                                                       rescan_interval_s=0))
+        key, data = chunk(1, 8192)
+        assert write(tier, [key], [data]).ok  # ...its pool starts its workers only now
+        pool = [t for t in threading.enumerate() if t.name.startswith("kv-fs-io")]
+        found = {t.name: os.sched_getaffinity(t.native_id) for t in pool}
+        tier.close()
+        return found
+
+    found = _in_pinned_thread(engine_cpu, open_then_write_later)
+    assert found and all(cpus == allowed - engine_cpu for cpus in found.values()), found

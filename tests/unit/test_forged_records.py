@@ -117,8 +117,9 @@ class Store:
                 return self.s3.get_object(Bucket=self.bucket, Key=self._s3_name(k))["Body"].read()
             except self.s3.exceptions.NoSuchKey:
                 return None
-        inner = self.tier.inner if self.codec.keyed else self.tier
-        stored = inner._data.get(k)  # (DictTier's dict: the plug-in's storage itself)
+        namespaced = self.tier.inner if self.codec.keyed else self.tier  # (NamespacedTier)
+        plugin = namespaced.inner  # DictTier: its dict is the plug-in's storage itself
+        stored = plugin._data.get(namespaced._wrap([k])[0])
         return None if stored is None else stored.numpy().tobytes()
 
     def _valkey_name(self, k: bytes) -> bytes:

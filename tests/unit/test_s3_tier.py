@@ -114,20 +114,46 @@ def test_the_client_enforces_the_budget_with_lru_by_last_access(s3_server):
     tier.close()
 
 
-def test_a_listing_adopts_other_writers_objects_and_evicts_to_the_budget(s3_server):
+def test_an_engine_with_a_small_budget_serves_the_fleets_objects_and_deletes_none_of_them(
+        s3_server):
     bucket = make_bucket(s3_server.endpoint_url)
-    writer = make_tier(s3_server, bucket)
+    fleet = make_tier(s3_server, bucket)
+    theirs = [f"fleet{i}".encode() for i in range(40)]
+    for i, key in enumerate(theirs):
+        assert write(fleet, [key], [random_bytes(2000, i)]).ok
+    record = data_offset(b"mine00", FINGERPRINT, 2000, align=NETWORK_ALIGN) + 2000
+    small = make_tier(s3_server, bucket, bytes_to_use=3 * record)  # lists at start
+    assert small.lookup(theirs) == [True] * 40  # adopted: served...
+    out = torch.empty(2000, dtype=torch.uint8)
+    assert read(small, [b"fleet7"], [out]).ok and torch.equal(out, random_bytes(2000, 7))
+    mine = [f"mine{i:02}".encode() for i in range(10)]
+    for i, key in enumerate(mine):
+        assert write(small, [key], [random_bytes(2000, 100 + i)]).ok
+    small.refresh()
+    stored = objects(s3_server, bucket)
+    # ...and never evicted: only its own objects went, down to its budget.
+    assert all(small._name(k) in stored for k in theirs)
+    assert sorted(k for k in mine if small._name(k) in stored) == mine[-3:]
+    assert small.stats().bytes_used <= 3 * record
+    assert sorted(small.take_changes(1000).added) == sorted(theirs + mine[-3:])
+    fleet.close()
+    small.close()
+
+
+def test_with_evict_others_a_sole_owner_keeps_the_whole_prefix_within_its_budget(s3_server):
+    bucket = make_bucket(s3_server.endpoint_url)
+    before_restart = make_tier(s3_server, bucket)
     keys = [f"k{i}".encode() for i in range(6)]
     for i, key in enumerate(keys):
-        assert write(writer, [key], [random_bytes(2000, i)]).ok
+        assert write(before_restart, [key], [random_bytes(2000, i)]).ok
+    before_restart.close()
     record = data_offset(b"k0", FINGERPRINT, 2000, align=NETWORK_ALIGN) + 2000
-    small = make_tier(s3_server, bucket, bytes_to_use=4 * record)  # lists at start
-    assert sum(small.lookup(keys)) == 4
+    owner = make_tier(s3_server, bucket, bytes_to_use=4 * record, evict_others=True)
+    assert sum(owner.lookup(keys)) == 4
     assert len(objects(s3_server, bucket)) == 4  # the two oldest were deleted
-    changes = small.take_changes(100)
-    assert sorted(changes.added) == sorted(k for k in keys if small.lookup([k])[0])
-    writer.close()
-    small.close()
+    changes = owner.take_changes(100)
+    assert sorted(changes.added) == sorted(k for k in keys if owner.lookup([k])[0])
+    owner.close()
 
 
 def test_an_object_already_stored_is_not_sent_again(s3_server):

@@ -116,8 +116,38 @@ def test_the_two_ways_to_choose_a_tier_cannot_be_mixed(tmp_path):
 
 def test_a_third_party_tier_is_built_from_its_constructor_options():
     tier = make_storage_tier(parse(EXAMPLE, {"max_bytes": 12345}), "fp")
-    assert isinstance(tier, DictTier) and tier.max_bytes == 12345
-    assert isinstance(make_storage_tier(parse(EXAMPLE), "fp"), DictTier)
+    assert isinstance(tier.inner, DictTier) and tier.inner.max_bytes == 12345
+    assert isinstance(make_storage_tier(parse(EXAMPLE), "fp").inner, DictTier)
+
+
+class SharedDictTier(DictTier):
+    """A plug-in whose store outlives one tier object (as a plug-in on a shared server's)."""
+
+    store: dict = {}
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        super().__init__(max_bytes)
+        self._data = SharedDictTier.store
+
+
+def test_two_models_sharing_a_plug_in_tier_never_see_each_others_blocks(monkeypatch):
+    from tier_helpers import random_bytes, read, write
+
+    module = types.ModuleType("shared_tier_mod")
+    module.SharedDictTier = SharedDictTier
+    monkeypatch.setitem(sys.modules, "shared_tier_mod", module)
+    config = parse("shared_tier_mod:SharedDictTier")
+    model_a = make_storage_tier(config, "llama|LBHNC|page=4096")
+    model_b = make_storage_tier(config, "gemma|LBHNC|page=4096")
+    data = random_bytes(4096, 1)
+    assert write(model_a, [b"block-hash"], [data]).ok  # the same prompt's block hash
+    assert model_b.lookup([b"block-hash"]) == [False]
+    out = torch.zeros(4096, dtype=torch.uint8)
+    assert read(model_b, [b"block-hash"], [out]).succeeded == (False,)
+    assert not out.any()
+    assert read(model_a, [b"block-hash"], [out]).ok and torch.equal(out, data)
+    assert model_a.keys() is None  # (DictTier cannot list)
+    assert model_a.take_changes(10).added == ()
 
 
 def test_a_third_party_tier_can_check_its_own_options(monkeypatch):

@@ -230,12 +230,16 @@ def test_large_jobs_are_split_into_bounded_batches_and_stay_exact(valkey_server)
     tier.close()
 
 
-def test_a_server_down_at_start_is_a_logged_miss_not_an_error(caplog):
+def test_a_server_down_at_start_is_a_logged_miss_not_an_error(caplog, tmp_path):
     from kv_offload.backends.valkey.local_server import free_port
 
-    url = f"redis://user:secret@127.0.0.1:{free_port()}/0"  # nothing listens there
+    url = f"redis://user@127.0.0.1:{free_port()}/0"  # nothing listens there
+    secret = tmp_path / "password"
+    secret.write_text("secret\n")
+    secret.chmod(0o600)
     with caplog.at_level(logging.WARNING, logger="kv_offload"):
-        tier, seconds = timed(ValkeyTier.from_options, {"url": url, "refresh_interval_s": 0},
+        tier, seconds = timed(ValkeyTier.from_options, {"url": url, "refresh_interval_s": 0,
+                                                        "password_file": str(secret)},
                               FINGERPRINT)
     assert seconds < 2.0 and tier.lookup([b"k"]) == [False]
     assert not write(tier, [b"k"], [random_bytes(100, 8)]).ok

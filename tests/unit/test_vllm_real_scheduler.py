@@ -1,29 +1,24 @@
-"""vLLM's own Scheduler drives the connector's scheduler side; this test plays the model runner.
+"""vLLM's own Scheduler drives the connector's scheduler side; the test plays the model runner.
 
-What is real: vLLM's `Scheduler` (`vllm.v1.core.sched.scheduler`), built from real vLLM config
-classes over a tiny local Llama directory (`build_llama`, no download) and a `KVCacheConfig`
-from vLLM's own `get_kv_cache_configs`. The Scheduler creates `KVOffloadConnector` itself
-from `kv_transfer_config` (scheduler role), asks it for hits, moves requests through
-`WAITING_FOR_REMOTE_KVS`, builds its metadata every step and feeds it the workers' output.
-The worker side is our real `OffloadWorker` with a real host tier, registered on caches laid
-out the way vLLM allocates them (`allocate_kv_caches`), copying on its own threads.
+Real: vLLM's `Scheduler`, built from vLLM's config classes over a tiny local Llama
+(`build_llama`, no download) and the `KVCacheConfig` vLLM's own planning gives one CPU worker.
+It creates `KVOffloadConnector` from `kv_transfer_config`, asks it for hits, parks requests in
+WAITING_FOR_REMOTE_KVS, takes its metadata every step and hands it the workers' output. The
+worker side is our `OffloadWorker` (host tier, threads) on caches laid out as vLLM allocates
+them (`allocate_kv_caches`).
 
-What the test plays: the model runner and the worker-role connector's routing. Per step it
-does what vLLM's runner and `KVOffloadConnector` do, in vLLM's order (handle_preemptions,
-start_load_kv, forward, wait_for_save, get_transfer_results, build_connector_worker_meta),
-and hands vLLM a real `ModelRunnerOutput` with a `KVConnectorOutput`. Its "forward" computes
-nothing: it writes bytes derived from (layer, token id, position) into each scheduled token's
-slot and samples a fixed token, so the test can tell loaded bytes from anything else.
+Played: vLLM's model runner, and the worker-role connector's routing of the runner's calls to
+the `OffloadWorker`, in vLLM's order; each step's result goes back to vLLM as a real
+`ModelRunnerOutput` with a `KVConnectorOutput`. The "forward" computes nothing: it writes
+bytes derived from (layer, token id, position) into each scheduled token's slot and samples a
+fixed word, so loaded bytes can be told from anything else.
 
-Scenario: request A runs to completion and its full blocks are stored; vLLM's prefix cache is
-reset and the engine's memory scribbled over; request B with A's prompt gets a hit from our
-connector, waits for its load in WAITING_FOR_REMOTE_KVS, and runs with every full block but
-the last token's already computed, holding A's bytes; after `reset_prefix_cache(
-reset_connector=True)` request C with the same prompt misses and is computed from scratch.
-
-vLLM 0.32 and 0.33 differ where noted (`VLLM_033`); the Scheduler's constructor, Request,
-SchedulerOutput fields read here and ModelRunnerOutput / KVConnectorOutput are the same.
+Scenario: A runs to completion and its full blocks are stored; vLLM's prefix cache is reset
+and engine memory overwritten; B with A's prompt hits in our connector, waits for its load,
+then runs with every full block but the last token's computed, holding A's bytes; after
+`reset_prefix_cache(reset_connector=True)` C with the same prompt misses.
 """
+# ruff: noqa: E402  (vLLM is imported only once importorskip found it)
 
 from __future__ import annotations
 
@@ -35,52 +30,43 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-import vllm  # noqa: E402
-from packaging.version import Version  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    VllmConfig,
-)
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
-from vllm.v1.attention.backends.utils import (  # noqa: E402
-    get_supported_kv_cache_layouts,
-    resolve_kv_cache_layout,
-)
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    generate_scheduler_kv_cache_config,
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_kv_cache_block_sizes,
-)
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+import torch
+import vllm
+from packaging.version import Version
+from vllm import SamplingParams
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.attention.backends import utils as attention_utils
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
-from kv_offload.config import parse_config  # noqa: E402
-from kv_offload.testing.engine_alloc import allocate_kv_caches  # noqa: E402
-from kv_offload.testing.tiny_models import build_llama  # noqa: E402
-from kv_offload.testing.tiny_vocab import VOCAB_SIZE  # noqa: E402
-from kv_offload.vllm.connector import KVOffloadConnector  # noqa: E402
-from kv_offload.vllm.metadata import KVOffloadMetadata  # noqa: E402
-from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
-from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
+from kv_offload.config import parse_config
+from kv_offload.testing.engine_alloc import allocate_kv_caches
+from kv_offload.testing.tiny_models import build_llama
+from kv_offload.testing.tiny_vocab import VOCAB_SIZE
+from kv_offload.vllm.connector import KVOffloadConnector
+from kv_offload.vllm.metadata import KVOffloadMetadata
+from kv_offload.vllm.spec_translation import translate_groups
+from kv_offload.vllm.worker_side import OffloadWorker
 
+# The only switch between vLLM 0.32 and 0.33 (the Scheduler's constructor, Request, the
+# SchedulerOutput fields read here and ModelRunnerOutput are the same in both).
 VLLM_033 = Version(vllm.__version__).release >= (0, 33)
 
 BLOCK = 32  # engine block size (vLLM's CPU attention needs a multiple of 32)
-LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 32  # build_llama's defaults: hidden 128 / 4 heads
+LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 32  # build_llama's defaults (hidden 128, 4 heads)
 NUM_BLOCKS = 64
 PROMPT_LEN = 200  # 6 full blocks and 8 tokens
 HIT_TOKENS = (PROMPT_LEN - 1) // BLOCK * BLOCK  # whole blocks, never the last token: 192
+FULL_BLOCKS = HIT_TOKENS // BLOCK
+PROMPT = [4 + (i * 37) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]  # words, no specials
 MAX_TOKENS = 3
 EXTRA_CONFIG = {"cpu_bytes_to_use": 8 << 20}
 STEP_DEADLINE_S = 10.0  # loads and stores run on the worker's threads: wait this long at most
@@ -92,55 +78,64 @@ def llama_dir(tmp_path_factory):
 
 
 def _vllm_config(model_dir) -> VllmConfig:
-    model = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16",
-                        max_model_len=1024, seed=0)
     transfer = KVTransferConfig(
         kv_connector="KVOffloadConnector", kv_connector_module_path="kv_offload.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config=EXTRA_CONFIG)
-    return VllmConfig(model_config=model,
-                      cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-                      kv_transfer_config=transfer)
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=transfer)
 
 
-def _kv_cache_config(vllm_config: VllmConfig):
-    """The engine core's KV-cache planning (EngineCore._initialize_kv_caches) for one CPU
-    worker whose attention layers are the tiny Llama's, with memory for NUM_BLOCKS blocks:
-    (the worker's config, the scheduler's config)."""
+@dataclass
+class _Planned:
+    """What EngineCore._initialize_kv_caches settles before it builds the Scheduler."""
+
+    worker: KVCacheConfig
+    scheduler: KVCacheConfig
+    block_size: int
+    hash_block_size: int
+
+
+def _plan_kv_caches(vllm_config: VllmConfig) -> _Planned:
+    """vLLM's KV-cache planning for one CPU worker: the tiny Llama's layers, NUM_BLOCKS."""
     register_all_kvcache_specs(vllm_config)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                             dtype=torch.bfloat16)
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=model.get_num_kv_heads(parallel),
+                             head_size=model.get_head_size(), dtype=model.dtype)
+    assert (model.get_num_layers(parallel), spec.num_kv_heads, spec.head_size, spec.dtype) == \
+        (LAYERS, KV_HEADS, HEAD_SIZE, torch.bfloat16)  # (what the played forward writes)
     specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(LAYERS)}]
     memory = [NUM_BLOCKS * LAYERS * spec.page_size_bytes]
-    # The layouts the CPU worker's attention backend reports; recorded on cache_config.
-    supported = [layout.name for layout in get_supported_kv_cache_layouts([CPUAttentionBackend])]
-    resolve_kv_cache_layout(vllm_config, [supported], specs[0].values())
-    if VLLM_033:
-        # vLLM 0.33 moved the planning to kv_cache_planning and groups the layers first.
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
+    # From the layouts the CPU worker's attention backend supports, onto cache_config:
+    supported = attention_utils.get_supported_kv_cache_layouts([CPUAttentionBackend])
+    attention_utils.resolve_kv_cache_layout(vllm_config, [[layout.name for layout in supported]],
+                                            specs[0].values())
+    if VLLM_033:  # vLLM 0.33 moved the planning to kv_cache_planning; it takes the groups
+        from vllm.v1.core import kv_cache_planning as planning
 
-        configs = get_kv_cache_configs(vllm_config, specs, memory,
-                                       get_global_kv_cache_groups(vllm_config, specs))
-    else:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        configs = get_kv_cache_configs(vllm_config, specs, memory)
-    for config in configs:
-        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
-    worker_config = configs[0]
-    scheduler_config = generate_scheduler_kv_cache_config(configs)
+        configs = planning.get_kv_cache_configs(
+            vllm_config, specs, memory, planning.get_global_kv_cache_groups(vllm_config, specs))
+    else:  # vLLM 0.32
+        configs = kv_cache_utils.get_kv_cache_configs(vllm_config, specs, memory)
+    scheduler_config = kv_cache_utils.generate_scheduler_kv_cache_config(configs)
     vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
-    return worker_config, scheduler_config
+    block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
+        scheduler_config, vllm_config)
+    alignment = kv_cache_utils.resolve_cache_hit_alignment_tokens(
+        scheduler_config, vllm_config, block_size, hash_block_size)
+    for config in (*configs, scheduler_config):
+        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        config.hash_block_size = hash_block_size
+        config.cache_hit_alignment_tokens = alignment
+    return _Planned(configs[0], scheduler_config, block_size, hash_block_size)
 
 
 def _slot_bytes(layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What the played forward writes for these tokens: [H, len(tokens), K|V] in bfloat16,
     small integers (exact in bfloat16) mixing layer, head, token id, position and lane."""
-    lanes = torch.arange(2 * HEAD_SIZE)
-    heads = torch.arange(KV_HEADS)
+    lanes, heads = torch.arange(2 * HEAD_SIZE), torch.arange(KV_HEADS)
     mixed = (layer * 101 + heads[:, None, None] * 31 + tokens[None, :, None] * 7
              + positions[None, :, None] * 13 + lanes[None, None, :])
     return (mixed % 251 - 125).to(torch.bfloat16)
@@ -155,65 +150,53 @@ class _RunnerRequest:
 
 @dataclass
 class _Step:
-    """One engine step: what vLLM scheduled, our metadata in it, and the loads the worker
-    reported finished to vLLM."""
+    """One engine step: vLLM's plan, our metadata, loads finished, requests' states after."""
 
     output: SchedulerOutput
     meta: KVOffloadMetadata
     finished_recving: set[str]
+    states: dict[str, tuple[RequestStatus, int]]
 
 
 class PlayedModelRunner:
     """vLLM's model runner and worker-role connector, minus the model: the real
     `OffloadWorker` behind the calls `KVOffloadConnector` makes for vLLM's runner."""
 
-    def __init__(self, worker_kv_cache_config) -> None:
-        groups = translate_groups(worker_kv_cache_config)
-        self.num_blocks = worker_kv_cache_config.num_blocks
+    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+        groups, num_blocks = translate_groups(kv_cache_config), kv_cache_config.num_blocks
         self.buffer, self.caches = allocate_kv_caches(
-            groups, self.num_blocks, layout=worker_kv_cache_config.kv_cache_layout)
-        self.layer_names = list(self.caches)
+            groups, num_blocks, layout=kv_cache_config.kv_cache_layout)
         self.worker = OffloadWorker(parse_config(EXTRA_CONFIG), rank=0,
                                     fingerprint_extra="test_vllm_real_scheduler")
-        self.worker.register(self.caches, groups, self.num_blocks)
+        self.worker.register(self.caches, groups, num_blocks)
         self.requests: dict[str, _RunnerRequest] = {}
 
-    def execute(self, scheduler_output: SchedulerOutput
-                ) -> tuple[KVOffloadMetadata, ModelRunnerOutput]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         meta = scheduler_output.kv_connector_metadata
         assert isinstance(meta, KVOffloadMetadata), type(meta).__name__
-        # handle_preemptions: before anything of the step
-        self.worker.step_started()
+        self.worker.step_started()  # handle_preemptions: before anything of the step
         if meta.wait_for_stores:
             self.worker.wait_for_engine_copies()
         self._update_states(scheduler_output)
-        # vLLM starts synchronous loads before the forward, asynchronous ones after it
-        # (kv_connector_model_runner_mixin); ours are all asynchronous.
-        assert not scheduler_output.has_sync_kv_loads
+        assert not scheduler_output.has_sync_kv_loads  # (else start_load_kv came first)
         sampled = self._forward(scheduler_output)
-        # start_load_kv
-        self.worker.begin_step(meta.step)
+        self.worker.begin_step(meta.step)  # start_load_kv
         if meta.reset:
             self.worker.reset()
         self.worker.start_loads(meta.loads, meta.failed_loads)
-        # wait_for_save
-        self.worker.start_stores(meta.stores)
-        # get_transfer_results, then build_connector_worker_meta
-        finished, failed = self.worker.finished_loads()
-        kv_output = KVConnectorOutput(finished_recving=finished or None,
-                                      failed_recving=failed,
+        self.worker.start_stores(meta.stores)  # wait_for_save
+        finished, failed = self.worker.finished_loads()  # get_transfer_results
+        kv_output = KVConnectorOutput(finished_recving=finished or None, failed_recving=failed,
                                       kv_connector_worker_meta=self.worker.report())
-        if not scheduler_output.total_num_scheduled_tokens:
-            # (the runner's kv_connector_no_forward)
-            return meta, ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        if not scheduler_output.total_num_scheduled_tokens:  # (kv_connector_no_forward)
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         req_ids = list(sampled)
-        return meta, ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids], kv_connector_output=kv_output)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        """The runner's persistent batch: token ids and block tables (vLLM sends new
-        requests whole, running ones as the blocks added since the last step)."""
+        """The runner's token ids and block tables (vLLM sends only what changed)."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
@@ -227,11 +210,11 @@ class PlayedModelRunner:
                 state.block_ids.extend(cached.new_block_ids[i][0])
             state.num_computed = cached.num_computed_tokens[i]
         for block_id in scheduler_output.new_block_ids_to_zero or ():
-            for name in self.layer_names:
-                self.caches[name][block_id].zero_()
+            for cache in self.caches.values():
+                cache[block_id].zero_()
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        """Write each scheduled token's slot; sample a fixed token where a prompt ends."""
+        """Write each scheduled token's slot; sample a fixed word where the tokens end."""
         sampled = {}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
@@ -239,66 +222,62 @@ class PlayedModelRunner:
             positions = torch.arange(start, end)
             tokens = torch.tensor(state.token_ids[start:end])
             blocks = torch.tensor([state.block_ids[p // BLOCK] for p in range(start, end)])
-            for layer, name in enumerate(self.layer_names):
-                # [B, H, N, C] -> one slot per token: block, all heads, offset in block
-                self.caches[name][blocks, :, positions % BLOCK] = \
+            for layer, cache in enumerate(self.caches.values()):
+                # [B, H, N, C]: each token's slot is (its block, every head, its offset)
+                cache[blocks, :, positions % BLOCK] = \
                     _slot_bytes(layer, tokens, positions).permute(1, 0, 2)
             sampled[req_id] = []
-            if end >= len(state.token_ids):  # the last known token: sample the next
-                # (a word token, never a special one: only max_tokens ends the request)
-                token = 4 + (len(state.token_ids) * 17) % (VOCAB_SIZE - 4)
-                state.token_ids.append(token)
-                sampled[req_id] = [token]
+            if end >= len(state.token_ids):  # only max_tokens ends a request here
+                state.token_ids.append(4 + (len(state.token_ids) * 17) % (VOCAB_SIZE - 4))
+                sampled[req_id] = state.token_ids[-1:]
         return sampled
 
     def block_bytes(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Every layer's pages of these blocks, copied."""
-        return [self.caches[name][block_ids].clone() for name in self.layer_names]
+        return [cache[block_ids].clone() for cache in self.caches.values()]
 
-    def expected_bytes(self, token_ids: list[int], num_blocks: int) -> list[torch.Tensor]:
-        """What the forward wrote for the first `num_blocks` blocks of these tokens."""
-        n = num_blocks * BLOCK
-        tokens, positions = torch.tensor(token_ids[:n]), torch.arange(n)
-        return [_slot_bytes(layer, tokens, positions)  # [H, n, C] -> [blocks, H, BLOCK, C]
-                .reshape(KV_HEADS, num_blocks, BLOCK, -1).permute(1, 0, 2, 3)
-                for layer in range(LAYERS)]
 
-    def scribble(self) -> None:
-        """Overwrite all of engine memory (other requests reusing every block)."""
-        self.buffer.fill_(0x55)
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+def _expected_bytes(token_ids: list[int], num_blocks: int) -> list[torch.Tensor]:
+    """What the forward writes into the first `num_blocks` blocks of these tokens."""
+    n = num_blocks * BLOCK
+    tokens, positions = torch.tensor(token_ids[:n]), torch.arange(n)
+    return [_slot_bytes(layer, tokens, positions)  # [H, n, C] -> [blocks, H, BLOCK, C]
+            .reshape(KV_HEADS, num_blocks, BLOCK, -1).permute(1, 0, 2, 3)
+            for layer in range(LAYERS)]
 
 
 class Engine:
     """EngineCore.step's loop over the real Scheduler and the played runner."""
 
-    def __init__(self, vllm_config: VllmConfig, worker_kv_cache_config,
-                 scheduler_kv_cache_config) -> None:
-        block_size, hash_block_size = resolve_kv_cache_block_sizes(
-            scheduler_kv_cache_config, vllm_config)
+    def __init__(self, vllm_config: VllmConfig, planned: _Planned) -> None:
         self.scheduler = Scheduler(
-            vllm_config=vllm_config, kv_cache_config=scheduler_kv_cache_config,
+            vllm_config=vllm_config, kv_cache_config=planned.scheduler,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=block_size, hash_block_size=hash_block_size, log_stats=True)
-        self.runner = PlayedModelRunner(worker_kv_cache_config)
+            block_size=planned.block_size, hash_block_size=planned.hash_block_size,
+            log_stats=True)
+        self.runner = PlayedModelRunner(planned.worker)
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
+        kv_cache_utils.init_none_hash(hash_fn)
+        # vLLM 0.33's EngineCore also passes its hash look-ahead (0 here); 0.32 has none.
+        lookahead = (vllm_config.num_hash_lookahead_tokens,) if VLLM_033 else ()
+        self.block_hasher = kv_cache_utils.get_request_block_hasher(
+            planned.hash_block_size, hash_fn, *lookahead)
 
-    def add(self, req_id: str, prompt: list[int]) -> Request:
-        request = Request(req_id, prompt, SamplingParams(max_tokens=MAX_TOKENS), None,
+    def add(self, req_id: str) -> Request:
+        request = Request(req_id, PROMPT, SamplingParams(max_tokens=MAX_TOKENS), None,
                           block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         return request
 
     def step(self) -> _Step:
         output = self.scheduler.schedule()
-        meta, runner_output = self.runner.execute(output)
+        runner_output = self.runner.execute(output)
         self.scheduler.update_from_output(output, runner_output)
         kv_output = runner_output.kv_connector_output
-        return _Step(output, meta, set(kv_output.finished_recving or ()) if kv_output else set())
+        return _Step(output, output.kv_connector_metadata,
+                     set(kv_output.finished_recving or ()) if kv_output else set(),
+                     {r: (q.status, q.num_computed_tokens)
+                      for r, q in self.scheduler.requests.items()})
 
     def step_until(self, done: Callable[[_Step], bool], what: str) -> list[_Step]:
         """Step until `done(last step)`; the worker's copies get up to STEP_DEADLINE_S."""
@@ -311,142 +290,104 @@ class Engine:
                 time.sleep(0.001)  # the worker's threads copy meanwhile
         return steps
 
+    def run_to_completion(self, req_id: str) -> tuple[Request, list[_Step]]:
+        request = self.add(req_id)
+        return request, self.step_until(lambda s: request.is_finished(), f"{req_id} finished")
+
 
 @pytest.fixture
 def engine(llama_dir):
     vllm_config = _vllm_config(llama_dir)
-    worker_config, scheduler_config = _kv_cache_config(vllm_config)
-    engine = Engine(vllm_config, worker_config, scheduler_config)
+    engine = Engine(vllm_config, _plan_kv_caches(vllm_config))
     yield engine
-    engine.runner.shutdown()
+    engine.runner.worker.shutdown()
 
 
-PROMPT = [4 + (i * 37) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]
-FULL_BLOCKS = HIT_TOKENS // BLOCK
-
-
-def _scheduled_new(step: _Step, req_id: str):
-    """vLLM's NewRequestData of `req_id` in this step, or None."""
+def _scheduled_new(step: _Step, req_id: str):  # vLLM's NewRequestData, or None
     return next((new for new in step.output.scheduled_new_reqs if new.req_id == req_id), None)
 
 
-def _stored(steps: list[_Step]) -> list[tuple[bytes, int]]:
-    """(block hash, block id) of every block the steps' metadata told the worker to store."""
+def _stored(steps: list[_Step]) -> list[tuple[bytes, int]]:  # (hash, id) of each store
     return [pair for step in steps for hashes, ids in step.meta.stores.values()
             for pair in zip(hashes, ids)]
 
 
-@dataclass
-class _Stored:
-    """Request A, run to completion: its steps, full blocks and their bytes."""
-
-    request: Request
-    steps: list[_Step]
-    block_ids: list[int]
-    block_bytes: list[torch.Tensor]
-
-
-def _run_a(engine: Engine) -> _Stored:
-    """(1) A runs to completion; its full blocks are stored."""
-    a = engine.add("A", PROMPT)
-    steps = engine.step_until(lambda s: a.is_finished(), "A finished")
-    block_ids = engine.runner.requests["A"].block_ids[:FULL_BLOCKS]
-    return _Stored(a, steps, block_ids, engine.runner.block_bytes(block_ids))
-
-
 def _forget_in_engine(engine: Engine) -> None:
-    """(2) vLLM forgets its own copy; empty steps carry the worker's reports to the
-    scheduler; every block is overwritten, so only a load can bring A's bytes back."""
+    """vLLM forgets its own copy; empty steps carry the worker's reports to the scheduler;
+    every block is overwritten, so only a load can bring A's bytes back."""
     assert engine.scheduler.reset_prefix_cache()
-    for _ in range(3):
-        engine.step()
-    engine.runner.scribble()
-
-
-@dataclass
-class _Loaded:
-    """Request B with A's prompt: the step that looked it up (and B's state right after
-    it), then the steps until vLLM ran it."""
-
-    request: Request
-    asked: _Step
-    status_when_asked: RequestStatus
-    computed_when_asked: int
-    block_ids_when_asked: list[int]
-    steps: list[_Step]
-
-
-def _load_b(engine: Engine) -> _Loaded:
-    """(3) B, A's prompt: looked up, loaded, then run."""
-    b = engine.add("B", PROMPT)
-    asked = engine.step_until(lambda s: b.status != RequestStatus.WAITING, "B looked up")[-1]
-    status, computed = b.status, b.num_computed_tokens
-    block_ids = engine.scheduler.kv_cache_manager.get_block_ids("B")[0]
-    steps = engine.step_until(lambda s: "B" in s.output.num_scheduled_tokens, "B scheduled")
-    return _Loaded(b, asked, status, computed, block_ids, steps)
+    empty = [engine.step() for _ in range(3)]
+    # A store copies its blocks out during the next forward; vLLM reuses a freed block only
+    # in a step whose forward first waits for those copies (`wait_for_stores`), as a step
+    # without a forward does: only after one may the test overwrite blocks behind vLLM.
+    assert all(step.output.total_num_scheduled_tokens == 0 and step.meta.wait_for_stores
+               for step in empty)
+    engine.runner.buffer.fill_(0x55)
 
 
 def test_vllm_runs_a_request_whose_full_blocks_the_connector_stores(engine):
     print(f"vLLM {vllm.__version__} from {vllm.__file__}")  # (shown with -rP)
     assert isinstance(engine.scheduler.get_kv_connector(), KVOffloadConnector)
     assert engine.scheduler.recompute_kv_load_failures
-    a = _run_a(engine)
+    a, steps = engine.run_to_completion("A")
     # Until the worker's first report our connector cannot answer (vLLM asks again): the
     # first step runs no forward and only carries that report back.
-    assert a.steps[0].output.total_num_scheduled_tokens == 0
-    prefill = a.steps[1]
+    assert steps[0].output.total_num_scheduled_tokens == 0
+    assert steps[0].states["A"] == (RequestStatus.WAITING, 0)
+    prefill = steps[1]
     first = _scheduled_new(prefill, "A")
     assert first is not None and first.num_computed_tokens == 0
     assert prefill.output.num_scheduled_tokens["A"] == PROMPT_LEN
     # The prefill's forward completed 6 blocks (the 7th is partial): those are stored, once.
-    assert _stored([prefill]) == [(bytes(h), i) for h, i in
-                                  zip(a.request.block_hashes[:FULL_BLOCKS], a.block_ids)]
-    assert _stored(a.steps) == _stored([prefill])
-    assert a.request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert len(a.request.output_token_ids) == MAX_TOKENS
-    for got, want in zip(a.block_bytes, engine.runner.expected_bytes(PROMPT, FULL_BLOCKS)):
-        assert torch.equal(got, want)
+    a_blocks = first.block_ids[0][:FULL_BLOCKS]
+    assert _stored([prefill]) == list(zip(map(bytes, a.block_hashes[:FULL_BLOCKS]), a_blocks))
+    assert _stored(steps) == _stored([prefill])
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert len(a.output_token_ids) == MAX_TOKENS
+    assert all(torch.equal(got, want) for got, want in
+               zip(engine.runner.block_bytes(a_blocks), _expected_bytes(PROMPT, FULL_BLOCKS)))
 
 
 def test_a_request_with_a_stored_prefix_waits_for_its_load_then_runs_from_the_hit(engine):
-    a = _run_a(engine)
+    engine.run_to_completion("A")
+    a_bytes = engine.runner.block_bytes(engine.runner.requests["A"].block_ids[:FULL_BLOCKS])
     _forget_in_engine(engine)
-    loaded = _load_b(engine)
-    b, asked, steps = loaded.request, loaded.asked, loaded.steps
+    b = engine.add("B")
+    asked = engine.step_until(lambda s: s.states["B"][0] != RequestStatus.WAITING,
+                              "B looked up")[-1]
+    steps = engine.step_until(lambda s: "B" in s.output.num_scheduled_tokens, "B ran")
 
-    # Our connector's hit: vLLM allocates B's blocks, counts the hit as computed and parks
-    # B until the load reports back; the load plan goes to the worker in that very step.
-    assert loaded.status_when_asked == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # Our connector's hit: vLLM allocates B's blocks, counts the hit as computed (before it
+    # arrives) and parks B until the load reports back; the plan reaches the worker then.
+    assert asked.states["B"] == (RequestStatus.WAITING_FOR_REMOTE_KVS, HIT_TOKENS)
     assert "B" not in asked.output.num_scheduled_tokens
-    assert loaded.computed_when_asked == HIT_TOKENS  # (vLLM counts the hit before it arrives)
-    b_blocks = loaded.block_ids_when_asked[:FULL_BLOCKS]
-    (plan,) = asked.meta.loads["B"].values()
-    assert plan == ([bytes(h) for h in b.block_hashes[:FULL_BLOCKS]], b_blocks)
+    ((hashes, b_blocks),) = asked.meta.loads["B"].values()
+    assert hashes == [bytes(h) for h in b.block_hashes[:FULL_BLOCKS]]
 
-    # The worker reported the load finished; vLLM then ran B from the hit on: all full
-    # blocks, never the last prompt token.
+    # The worker reported the load finished, once; vLLM then ran B from the hit on, in the
+    # blocks the load filled: all full blocks, never the last prompt token.
     assert sum("B" in s.finished_recving for s in [asked, *steps]) == 1
     ran = _scheduled_new(steps[-1], "B")
     assert ran is not None and ran.num_computed_tokens == HIT_TOKENS
     assert ran.block_ids[0][:FULL_BLOCKS] == b_blocks
     assert steps[-1].output.num_scheduled_tokens["B"] == PROMPT_LEN - HIT_TOKENS
     # The forward wrote only from the hit on: B's full blocks hold what the load put there.
-    for got, want in zip(engine.runner.block_bytes(b_blocks), a.block_bytes):
-        assert torch.equal(got, want)
+    assert all(map(torch.equal, engine.runner.block_bytes(b_blocks), a_bytes))
     engine.step_until(lambda s: b.is_finished(), "B finished")
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert len(b.output_token_ids) == MAX_TOKENS
+    assert not _stored(steps)  # the worker holds B's full blocks already: none stored again
 
 
 def test_after_vllm_resets_the_connector_the_same_prompt_misses(engine):
-    _run_a(engine)
+    engine.run_to_completion("A")
     _forget_in_engine(engine)
-    b = _load_b(engine).request
-    engine.step_until(lambda s: b.is_finished(), "B finished")
+    _, b_steps = engine.run_to_completion("B")
+    assert any("B" in s.meta.loads for s in b_steps)  # (B hit, as in the test above)
 
     assert engine.scheduler.reset_prefix_cache(reset_connector=True)
-    c = engine.add("C", PROMPT)
-    steps = engine.step_until(lambda s: "C" in s.output.num_scheduled_tokens, "C scheduled")
+    c = engine.add("C")
+    steps = engine.step_until(lambda s: "C" in s.output.num_scheduled_tokens, "C ran")
     # C misses: vLLM computes it from scratch, nothing is loaded.
     ran = _scheduled_new(steps[-1], "C")
     assert ran is not None and ran.num_computed_tokens == 0

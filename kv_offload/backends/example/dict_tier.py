@@ -5,7 +5,8 @@ argument checks, and per-key success reporting. It passes the same contract suit
 built-in tiers (tests/unit/test_tier_suite.py). Jobs complete synchronously; results wait for
 ``poll``. Choose it with ``"storage_tier": "kv_offload.backends.example:DictTier"`` and
 ``"storage_options": {"max_bytes": ...}``: the options are the constructor's keyword
-arguments (``StorageTier.from_options``' default), checked at start-up.
+arguments (``StorageTier.from_options``' default, which also wraps it in a
+``NamespacedTier`` so that two models sharing it never mix), checked at start-up.
 
 Optional hooks it implements: ``discard`` (drop values the layer above found unverifiable)
 and the generation record (kept in memory: this tier forgets everything at exit anyway).

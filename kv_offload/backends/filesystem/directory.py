@@ -30,6 +30,25 @@ _HEX = "0123456789abcdef"
 FANOUT_DIRS = [a + b for a in _HEX for b in _HEX]
 
 
+def make_private_dirs(path: str) -> None:
+    """Create ``path`` and its missing parents as 0700 whatever the umask allows (the KV
+    reveals prompts: nobody else on the host may list or read it). ``os.makedirs`` gives
+    its mode to the last directory only; existing directories are left as they are."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)  # (a umask can only take bits away)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+
+
 def prepare_layout_dir(root_dir: str, fingerprint: str, host: str,
                        codec: RecordCodec = CHECKSUM) -> tuple[str, bool]:
     """Create ``<root>/<layout dir>/<fan-out dirs>`` and check that files can be written there.
@@ -45,7 +64,7 @@ def prepare_layout_dir(root_dir: str, fingerprint: str, host: str,
     layout_dir = os.path.join(root, layout_dir_name(fingerprint, codec))
     try:
         for fanout in FANOUT_DIRS:
-            os.makedirs(os.path.join(layout_dir, fanout), exist_ok=True)
+            make_private_dirs(os.path.join(layout_dir, fanout))
         probe = os.path.join(layout_dir, temp_file_name(os.getpid(), "probe", host))
         direct = probe_direct_io(probe)
     except OSError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import threading
 
 import torch
@@ -23,6 +24,21 @@ import torch
 from kv_offload.backends.filesystem.fileformat import ALIGN
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # (0 where the OS has none: probe_direct_io says False)
+
+
+class NotRegularFile(Exception):
+    """A FIFO, socket or device where a data file should be: never read (a FIFO's open or
+    read would block an I/O thread, and then the process's exit, until someone writes)."""
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` for reading without blocking on a FIFO (O_NONBLOCK changes nothing for
+    regular files); raise ``NotRegularFile`` if it is not a regular file."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(f"{path} is not a regular file")
+    return fd
 
 
 class FileSizeMismatch(Exception):
@@ -100,7 +116,7 @@ def probe_direct_io(path: str) -> bool:
     permission...).
     """
     page = mmap.mmap(-1, ALIGN)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.pwritev(fd, [page], 0)
     finally:
@@ -173,7 +189,7 @@ class IOEngine:
 
     def _write(self, path: str, header: bytes, buf: torch.Tensor, direct: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)  # private: the KV reveals prompts
         try:
             data = host_view(buf)
             size = len(header) + len(data)
@@ -213,7 +229,7 @@ class IOEngine:
         return self._read(path, header_len, buf, False)
 
     def _read(self, path: str, header_len: int, buf: torch.Tensor, direct: bool) -> bytes:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+        fd = open_regular(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         try:
             data = host_view(buf)
             want = header_len + len(data)
@@ -238,7 +254,7 @@ class IOEngine:
 
 def read_head(path: str, limit: int = 1 << 20) -> bytes:
     """The first bytes of a file (at most ``limit``), buffered: to diagnose an odd file."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read(limit)
 
 

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 
 from kv_offload.backends.filesystem.fileformat import GENERATION_NAME
-from kv_offload.backends.filesystem.io_engine import unlink_quietly
+from kv_offload.backends.filesystem.io_engine import NotRegularFile, open_regular, unlink_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def touch_heartbeat(layout_dir: str, held_bytes: int) -> float:
     that catches a torn write finds no number and walks the directory instead."""
     path = os.path.join(layout_dir, HEARTBEAT_NAME)
     line = f"kv-offload heartbeat: {held_bytes} bytes\n".encode().ljust(_HEARTBEAT_SIZE)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:
         os.pwrite(fd, line, 0)  # (updates the mtime)
         return os.fstat(fd).st_mtime
@@ -125,10 +125,10 @@ def _read_heartbeat(layout_dir: str) -> tuple[float, int | None]:
     """(mtime, bytes held) of a layout directory's heartbeat; -inf when there is none, bytes
     None when it holds no number (torn, or written by an older version)."""
     try:
-        with open(os.path.join(layout_dir, HEARTBEAT_NAME), "rb") as f:
+        with os.fdopen(open_regular(os.path.join(layout_dir, HEARTBEAT_NAME)), "rb") as f:
             mtime = os.fstat(f.fileno()).st_mtime
             found = _HEARTBEAT.match(f.read(_HEARTBEAT_SIZE))
-    except OSError:
+    except (OSError, NotRegularFile):
         return float("-inf"), None
     return mtime, int(found.group(1)) if found else None
 

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
@@ -48,7 +49,7 @@ from kv_offload.backends.base import (
     check_tier_request,
 )
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
-from kv_offload.backends.filesystem.directory import prepare_layout_dir
+from kv_offload.backends.filesystem.directory import make_private_dirs, prepare_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
@@ -68,6 +69,7 @@ from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
     FileSizeMismatch,
     IOEngine,
+    NotRegularFile,
     aligned_host_buffer,
     host_view,
     read_head,
@@ -121,7 +123,8 @@ class FilesystemTier(StorageTier):
         self._temp_token = secrets.token_hex(4)
         self._temp_seq = itertools.count()
         self._closed = False
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io")
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-fs-io",
+                                        initializer=join_our_cpus)
         self._rescanner = Rescanner(
             config, self._layout_dir, self._host, self._index, self._delete, self._count,
             lambda what: FailureEpisodes(what, self._counts, self._lock, logger),
@@ -306,7 +309,7 @@ class FilesystemTier(StorageTier):
                 except FileNotFoundError:  # the fan-out directory was removed: recreate it
                     if attempt:
                         raise
-                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    make_private_dirs(os.path.dirname(final))
             victims = self._index.commit(reservation, key, size)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
@@ -345,6 +348,8 @@ class FilesystemTier(StorageTier):
             head = self._io.read(path, data_offset(key, fingerprint, buf.numel(), codec), buf)
         except FileSizeMismatch as e:
             return self._size_mismatch(key, path, buf.numel(), e.actual)
+        except NotRegularFile as e:  # e.g. a FIFO planted under a key's name
+            return self._discard(key, path, str(e))
         try:
             expected_digest = check_header(head, key, fingerprint, buf.numel(), codec)
         except FileFormatError as e:

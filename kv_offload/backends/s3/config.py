@@ -20,8 +20,9 @@ class S3TierConfig:
     """
 
     bucket: str = option("str", doc="the bucket (it must exist)")
-    bytes_to_use: int = option("size", doc="budget of this tier's objects, LRU-evicted by "
-                                           "the client (several writers share it loosely)")
+    bytes_to_use: int = option("size", doc="budget of the objects this engine writes, "
+                                           "LRU-evicted by it (other writers' objects are "
+                                           "never evicted by it; see evict_others)")
     layout_fingerprint: str = ""  # given by the connector, not an option
     codec: RecordCodec = CHECKSUM  # given by the connector (secret_file), not an option
     endpoint_url: str | None = option("optional_str", None, "e.g. http://minio:9000; None: "
@@ -33,6 +34,9 @@ class S3TierConfig:
                                                                 "endpoint_url, else auto)")
     connections: int = option("count", 8, "HTTP connections, one I/O thread each")
     timeout_s: float = option("seconds", 5.0, "bound on each socket read")
+    request_timeout_s: float = option("seconds", 15.0, "bound on one whole request (a PUT, "
+                                                       "a GET, a listing page), however "
+                                                       "slowly the endpoint sends")
     connect_timeout_s: float = option("seconds", 2.0, "bound on each connect")
     max_attempts: int = option("count", 1, "attempts per request, retries included")
     refresh_interval_s: float = option("seconds", 30.0, "seconds between listings of the "
@@ -41,6 +45,10 @@ class S3TierConfig:
                                                  "already there is not sent again)")
     retry_interval_s: float = option("seconds", 1.0, "while the endpoint is unreachable, "
                                                      "how often one call tries again")
+    evict_others: bool = option("bool", False, "also evict objects other writers (or this "
+                                               "engine before a restart) stored, keeping the "
+                                               "whole prefix within bytes_to_use: only for a "
+                                               "prefix no other engine uses")
 
     def __post_init__(self) -> None:
         check_remote_bounds(self)

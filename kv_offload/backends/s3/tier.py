@@ -14,17 +14,20 @@
 - Writes use ``If-None-Match: *`` where the store supports it: the same key always names the
   same bytes, so an object already there is never sent twice (a store that refuses the
   header gets plain puts from then on).
-- An object store does not evict: ``bytes_to_use`` is enforced by this client with the disk
-  tier's index (``KeyIndex``: LRU by last access, a key being read is never evicted, victims
-  deleted only once the write that needed their room landed, every change recorded in its
-  change feed for ``take_changes``). The index starts from a listing of the prefix and is
-  re-listed every ``refresh_interval_s``, adopting other writers' objects (ordered by their
-  last-modified time) and dropping vanished ones. Several writers therefore share the budget
-  loosely: each evicts by its own view, and the bucket can exceed ``bytes_to_use`` by what
-  others wrote since the last listing.
+- An object store does not evict: ``bytes_to_use`` bounds the objects this engine wrote, and
+  only those are evicted by it (``BucketKeys`` in keys.py: the disk tier's ``KeyIndex``, LRU by
+  last access, a key being read is never evicted, victims deleted only once the write that
+  needed their room landed). Other writers' objects, adopted from a listing of the prefix
+  every ``refresh_interval_s``, are served but never deleted by this engine (bad ones aside):
+  one engine with a small budget cannot empty the fleet's prefix. Objects nobody owns any
+  more are the bucket lifecycle rule's to expire; ``evict_others`` makes a single owner keep
+  the whole prefix within its budget instead.
+- Reads are ranged GETs of at most the record the caller's buffer needs (sized_read.py): an
+  object of another size costs no more memory than the buffer.
 - ``lookup`` answers from that index (never the network). Jobs run one request per key on
-  ``connections`` threads; every request is bounded by the timeouts, an unreachable endpoint
-  makes later jobs fail fast for ``retry_interval_s`` (``Outage``), one log line per episode.
+  ``connections`` threads; every request is bounded by ``request_timeout_s`` as a whole
+  however slowly the endpoint sends (deadline.py), an unreachable endpoint makes later jobs
+  fail fast for ``retry_interval_s`` (``Outage``), one log line per episode.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
@@ -46,7 +50,8 @@ from kv_offload.backends.base import (
     check_tier_keys,
     check_tier_request,
 )
-from kv_offload.backends.filesystem.index import KeyIndex, Reservation
+from kv_offload.backends.deadline import install_deadlines, request_deadline
+from kv_offload.backends.filesystem.index import Reservation
 from kv_offload.backends.filesystem.io_engine import host_view
 from kv_offload.backends.filesystem.listing import ScanListing
 from kv_offload.backends.jobs import Job, JobBook
@@ -63,6 +68,8 @@ from kv_offload.backends.record import (
 from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.s3.config import S3TierConfig
+from kv_offload.backends.s3.keys import BucketKeys
+from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.config import format_size
 
 logger = logging.getLogger(__name__)
@@ -90,14 +97,18 @@ class S3Tier(StorageTier):
                 # Our records carry their own xxh3 checksum: no second one per request.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required"))
-        self._index = KeyIndex(config.bytes_to_use)  # records every change in its feed
+        self._index = BucketKeys(config.bytes_to_use, config.evict_others)
         self._book = JobBook("S3Tier", logger)
+        if not install_deadlines(self._s3):  # pragma: no cover - a botocore unlike ours
+            logger.warning("kv-offload: cannot bound whole requests to %s with this botocore; "
+                           "only each socket read is bounded (timeout_s)", config.endpoint_url)
         where = config.endpoint_url or "AWS S3"
         self._where = f"s3://{config.bucket}/{self._root} at {where}"
         self._outage = Outage(f"object store {where}", config.retry_interval_s, logger)
         self._rejections = Rejections(f"kv-offload S3 tier {self._where}")
         self._conditional = config.conditional_put
-        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io")
+        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io",
+                                      initializer=join_our_cpus)
         self._refresher = Refresher(self.refresh, config.refresh_interval_s,
                                     name="kv-s3-refresh", what=self._where)
         self.refresh()  # the objects already there, before the first lookup
@@ -124,7 +135,7 @@ class S3Tier(StorageTier):
         job = self._book.new_job(keys)
         fingerprint = self.config.layout_fingerprint
         for i, (key, buf) in enumerate(zip(keys, buffers)):
-            if self._index.touch(key):  # same key, same bytes: already stored
+            if self._index.present(key):  # same key, same bytes: already stored
                 self._book.count("write_skipped_present")
                 self._book.finish(job, [i], True)
                 continue
@@ -135,18 +146,19 @@ class S3Tier(StorageTier):
                 self._book.count("write_failed", "write_failed_budget")
                 self._book.finish(job, [i], False)
                 continue
-            self._book.start(self._io, self._write_one, job, i, key, buf, size, reservation)
+            self._book.start(self._io, self._within_deadline, self._write_one, job, i, key, buf,
+                             size, reservation)
         return job.job_id
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
         check_tier_request(keys, buffers)
         job = self._book.new_job(keys)
         for i, (key, buf) in enumerate(zip(keys, buffers)):
-            if self._index.begin_read(key) is None:
+            if not self._index.begin_read(key):
                 self._book.count("read_failed", "read_failed_absent")
                 self._book.finish(job, [i], False)
                 continue
-            self._book.start(self._io, self._read_one, job, i, key, buf)
+            self._book.start(self._io, self._within_deadline, self._read_one, job, i, key, buf)
         return job.job_id
 
     def poll(self) -> list[TierJobResult]:
@@ -155,13 +167,15 @@ class S3Tier(StorageTier):
     def close(self) -> None:
         if not self._book.close():
             return
-        self._refresher.stop()
+        # Bounded: requests end by their deadline; the Outage their failure opens makes
+        # queued ones fail at once.
+        self._refresher.stop(timeout_s=self.config.request_timeout_s + self.config.timeout_s)
         self._io.shutdown(wait=True)
 
     # -- optional hooks --------------------------------------------------------------------
 
     def take_changes(self, max_keys: int) -> TierChanges:
-        return self._index.feed.take(max_keys)
+        return self._index.feed.take(max_keys)  # (own and others' changes: one feed)
 
     def keys(self) -> list[bytes]:
         return self._index.keys()
@@ -219,8 +233,13 @@ class S3Tier(StorageTier):
         generation = self._index.start_scan()  # (keys written meanwhile are not dropped)
         listing = ScanListing()
         try:
-            for page in self._s3.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.config.bucket, Prefix=self._root):
+            pages = iter(self._s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self.config.bucket, Prefix=self._root))
+            while True:
+                with request_deadline(self.config.request_timeout_s):  # one page each
+                    page = next(pages, None)
+                if page is None:
+                    break
                 if self._refresher.stopping.is_set():
                     return  # closing: an unfinished listing must not drop anything
                 for obj in page.get("Contents", []):
@@ -238,6 +257,11 @@ class S3Tier(StorageTier):
         self._book.count("keys_vanished", n=merged.dropped)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _within_deadline(self, request, *args) -> None:
+        """One request (a PUT, a GET), bounded as a whole by ``request_timeout_s``."""
+        with request_deadline(self.config.request_timeout_s):
+            request(*args)
 
     def _name(self, key: bytes) -> str:
         return self._root + key.hex()
@@ -260,7 +284,7 @@ class S3Tier(StorageTier):
                 return
             sent = self._put(key, pack(key, self.config.layout_fingerprint, host_view(buf),
                                        align=NETWORK_ALIGN, codec=self.config.codec))
-            victims = self._index.commit(reservation, key, size)
+            victims = self._index.commit(reservation, key, size, sent)
             ok = True
             self._outage.succeeded()
             self._delete(victims)  # only now: a failed write costs nothing but itself
@@ -304,11 +328,20 @@ class S3Tier(StorageTier):
             if not self._outage.should_try():
                 self._book.count("read_failed", "read_failed_unreachable")
                 return
-            reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._name(key))
-            body = reply["Body"].read()
+            fingerprint = self.config.layout_fingerprint
+            want = expected_bytes(key, fingerprint, buf.numel(), self.config.codec)
+            reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._name(key),
+                                        Range=f"bytes=0-{want - 1}")
+            held = _object_size(reply)
+            with reply["Body"] as stream:  # (closed unread past `want`: the rest never comes)
+                body = stream.read(min(want, reply.get("ContentLength", want)))
             self._outage.succeeded()
-            got = unpack_into(body, key, self.config.layout_fingerprint, host_view(buf),
-                              align=NETWORK_ALIGN, codec=self.config.codec)
+            codec = self.config.codec
+            if held != want:  # only its start was read
+                got = judge_wrong_size(body, held, key, fingerprint, buf.numel(), codec)
+            else:
+                got = unpack_into(body, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
+                                  codec=codec)
             if got.bad is not None:
                 self._discard(key, got.bad)
             elif not got.ok:
@@ -324,6 +357,8 @@ class S3Tier(StorageTier):
             if _code(e) in ABSENT:  # deleted by another writer (or its budget)
                 self._forget([key])
                 self._book.count("read_failed", "read_failed_vanished")
+            elif _code(e) in ("InvalidRange", "416"):  # an empty object: not a record
+                self._discard(key, "empty object")
             else:
                 self._trouble("read", e)
         except (BotoCoreError, OSError) as e:
@@ -370,6 +405,13 @@ class S3Tier(StorageTier):
         else:
             self._book.count(f"{what}_failed", f"{what}_failed_{code}")
             self._book.note(f"{what}-{code}", "%s of %s refused: %s", what, self._where, error)
+
+
+def _object_size(reply: dict) -> int:
+    """The whole object's size from a ranged GET's reply (``Content-Range: bytes 0-N/SIZE``;
+    a store that ignored the range sends it all: its ``ContentLength``)."""
+    whole = str(reply.get("ContentRange", "")).rpartition("/")[2]
+    return int(whole) if whole.isdigit() else int(reply.get("ContentLength", 0))
 
 
 def _code(error: ClientError) -> str:

@@ -1,9 +1,19 @@
-"""Settings of the Valkey/Redis tier: the `storage_options` of `storage_tier: "valkey"`."""
+"""Settings of the Valkey/Redis tier: the `storage_options` of `storage_tier: "valkey"`.
+
+Credentials: vLLM logs its whole config (``kv_transfer_config`` included) at start, so a
+password in the URL would land in every log. A URL with a password is refused; the password
+goes in a file named by ``password_file`` (readable by its owner only, like an SSH key), read
+when the tier connects and kept only in the client's connection settings: never in this
+config, its repr, an error message or a log line. ``username`` names an ACL user (Valkey and
+Redis 6+); without it the password is the server's ``requirepass``.
+"""
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kv_offload.backends.options import check_remote_bounds, option
 from kv_offload.backends.record import CHECKSUM, RecordCodec
@@ -21,13 +31,16 @@ class ValkeyTierConfig:
     for ``retry_interval_s``, nothing at all (jobs fail fast as misses).
     """
 
-    url: str = option("str", doc="redis://[user:password@]HOST:PORT/DB, rediss:// for TLS, "
-                                 "or unix:///path/to.sock")
+    url: str = option("str", doc="redis://HOST:PORT/DB, rediss:// for TLS, or "
+                                 "unix:///path/to.sock (no password: see password_file)")
     layout_fingerprint: str = ""  # given by the connector, not an option
     codec: RecordCodec = CHECKSUM  # given by the connector (secret_file), not an option
     key_prefix: str = option("str", "kv-offload:", "prefix of every key (a namespace shared "
                                                    "by the servers that share a cache)")
     timeout_s: float = option("seconds", 1.0, "bound on each socket read or write")
+    request_timeout_s: float = option("seconds", 5.0, "bound on one whole request (a "
+                                                      "pipelined batch, a SCAN page), however "
+                                                      "slowly the server sends")
     connect_timeout_s: float = option("seconds", 1.0, "bound on each connect")
     connections: int = option("count", 4, "connections to the server, one I/O thread each")
     batch_bytes: int = option("size", 64 << 20, "value bytes per pipelined batch")
@@ -36,6 +49,10 @@ class ValkeyTierConfig:
     scan_count: int = option("count", 1000, "COUNT hint of each SCAN call")
     retry_interval_s: float = option("seconds", 1.0, "while the server is unreachable, how "
                                                      "often one call tries again")
+    password_file: str | None = option("optional_str", None, "a file holding the password "
+                                                             "(mode 0600 or stricter)")
+    username: str | None = option("optional_str", None, "the ACL user (None: the default "
+                                                        "user, or requirepass)")
 
     def __post_init__(self) -> None:
         check_remote_bounds(self)
@@ -50,6 +67,17 @@ class ValkeyTierConfig:
             parts.port  # noqa: B018 (parsing the port is the check)
         except ValueError as e:
             raise ConfigError(f"storage_options.url has a bad port: {self.url!r} ({e})") from e
+        if parts.password is not None:
+            # Refused rather than hidden: vLLM itself logs kv_transfer_config at start.
+            raise ConfigError("storage_options.url must not carry a password (vLLM logs its "
+                              "config at start): put the password in a file readable only "
+                              "by you and name it in storage_options.password_file "
+                              f"(url given: {self.display_url!r})")
+        if parts.username and self.username is not None:
+            raise ConfigError("storage_options.username and a user in storage_options.url "
+                              "both name the ACL user; give only one")
+        if self.password_file is not None:
+            read_password(self.password_file)  # (at start-up: missing, unreadable, too open)
         db = parts.path.strip("/")
         if parts.scheme != "unix" and db and not db.isdigit():
             raise ConfigError(f"storage_options.url: the database must be a number, got "
@@ -57,7 +85,51 @@ class ValkeyTierConfig:
 
     @property
     def display_url(self) -> str:
-        """The URL without its password, for log lines."""
+        """The URL without any credentials, for log lines."""
         parts = urlsplit(self.url)
         host = parts.netloc.rsplit("@", 1)[-1]
         return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+    def credentials(self) -> dict[str, str]:
+        """redis-py's ``username``/``password`` arguments (read from ``password_file`` now).
+        Never logged: callers hand them straight to the client."""
+        found: dict[str, str] = {}
+        user = self.username or unquote(urlsplit(self.url).username or "") or None
+        if user is not None:
+            found["username"] = user
+        if self.password_file is not None:
+            found["password"] = read_password(self.password_file)
+        return found
+
+
+def read_password(path: str) -> str:
+    """The password in ``path`` (one line; a trailing newline is not part of it). Raises
+    ``ConfigError`` (naming the file, never its content) if it is missing, not a regular
+    file, readable by group or others, or empty."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"storage_options.password_file {path!r} cannot be opened: "
+                          f"{e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"storage_options.password_file {path!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"storage_options.password_file {path!r} has mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}: group or others may read it; "
+                              f"expected 0600 or stricter (chmod 600 {path})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(64 * 1024 + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > 64 * 1024:
+        raise ConfigError(f"storage_options.password_file {path!r} is larger than 64 KiB; "
+                          f"expected one line holding the password")
+    try:
+        password = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:  # (its message would quote a byte of the password)
+        raise ConfigError(f"storage_options.password_file {path!r} is not UTF-8 text") from None
+    if not password:
+        raise ConfigError(f"storage_options.password_file {path!r} is empty")
+    return password

@@ -29,13 +29,15 @@ class LocalServer(LocalProcess):
     name = "valkey"
 
     def __init__(self, maxmemory: str = "64mb", policy: str = "allkeys-lru",
-                 port: int | None = None, binary: str | None = None) -> None:
+                 port: int | None = None, binary: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.binary = binary or server_binary()
         if self.binary is None:
             raise FileNotFoundError(f"none of {BINARIES} is on PATH (Debian: apt-get install "
                                     f"-y redis-server)")
         self.maxmemory = maxmemory
         self.policy = policy
+        self.extra_args = tuple(extra_args)  # e.g. ("--requirepass", ...) for the auth tests
         super().__init__(port)
 
     @property
@@ -47,13 +49,13 @@ class LocalServer(LocalProcess):
                 "--save", "", "--appendonly", "no", "--dir", self.workdir,
                 "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
                 "--maxmemory-samples", "10",  # a closer LRU than the default 5 samples
-                "--daemonize", "no"]
+                "--daemonize", "no", *self.extra_args]
 
     def answers(self) -> bool:
-        """Whether the server replies to PING now."""
+        """Whether the server replies to PING now (asking for a password counts)."""
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False

@@ -9,16 +9,21 @@
   episode. Deleting it is what keeps ``SET NX`` from keeping a planted value for good: the
   next write after the failed read stores the real one.
 - ``lookup`` answers from an in-memory ``ServerKeys`` (never the network): our own writes and
-  reads, and a background ``SCAN`` every ``refresh_interval_s`` (see view.py).
+  reads, and a background ``SCAN`` every ``refresh_interval_s`` (see server_keys.py).
 - Jobs run on ``connections`` I/O threads, split into batches of at most ``batch_bytes`` (and
   spread over the connections). Each batch is two pipelined round trips for writes (``EXISTS``
   for every key, then ``SET NX`` for the missing ones: the same key always names the same
-  bytes) and one for reads (``GET``).
+  bytes) and one for reads (``STRLEN`` + ``GETRANGE 0 expected-1`` per key: a value of
+  another size is a miss that costs at most the buffer's bytes, see sized_read.py).
 - The server evicts on its own (``maxmemory`` + an LRU/LFU policy): a key found gone is a miss
   and leaves the view. Server down, paused or restarted: every socket wait is bounded by
   ``timeout_s``, the failed keys are misses, and for ``retry_interval_s`` later jobs fail at
   once without waiting (``Outage``); redis-py reconnects on the next call that goes through.
-  One log line per episode.
+  One log line per episode. A whole request (a batch, a SCAN page) is bounded by
+  ``request_timeout_s`` however slowly the server sends (deadline.py); ``close`` waits at
+  most about that long for the I/O threads.
+- Credentials: ``username`` and ``password_file`` (config.py); a server that refuses them
+  is a ``ConfigError`` at start, not an outage.
 
 Values go out as header + host buffer straight to the socket (packer.py: no joined copy).
 Replies are parsed by hiredis when it is installed.
@@ -36,6 +41,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
@@ -44,6 +50,7 @@ from kv_offload.backends.base import (
     check_tier_keys,
     check_tier_request,
 )
+from kv_offload.backends.deadline import deadline_connection_class, request_deadline
 from kv_offload.backends.filesystem.io_engine import host_view
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
@@ -58,9 +65,11 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.rejections import Rejections
+from kv_offload.backends.server_keys import ServerKeys
+from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
-from kv_offload.backends.valkey.view import ServerKeys
+from kv_offload.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +98,8 @@ class ValkeyTier(StorageTier):
             retry=Retry(NoBackoff(), 0),  # fail fast: a retry would double every wait
             health_check_interval=0,
             command_packer=self._packer,
+            connection_class=deadline_connection_class(config.url),
+            **config.credentials(),  # (never logged: straight into the client)
         )
         self._redis = redis.Redis(connection_pool=pool)
         self._book = JobBook("ValkeyTier", logger)
@@ -97,9 +108,11 @@ class ValkeyTier(StorageTier):
         self._view = ServerKeys()
         self._rejections = Rejections(f"kv-offload Valkey tier {config.display_url}")
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
-        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io")
+        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io",
+                                      initializer=join_our_cpus)
         self._refresher = Refresher(self.refresh, config.refresh_interval_s,
                                     name="kv-valkey-refresh", what=self.config.display_url)
+        self._check_credentials()
         self.refresh()  # the keys already there, before the first lookup (bounded by timeouts)
         self._refresher.start()
 
@@ -131,9 +144,11 @@ class ValkeyTier(StorageTier):
         return self._book.poll()
 
     def close(self) -> None:
+        """Bounded: running requests end by their deadline, and the Outage that their
+        failure opens makes queued ones fail at once."""
         if not self._book.close():
             return
-        self._refresher.stop()
+        self._refresher.stop(timeout_s=self.config.request_timeout_s + self.config.timeout_s)
         self._io.shutdown(wait=True)
         self._redis.connection_pool.disconnect()
 
@@ -197,13 +212,16 @@ class ValkeyTier(StorageTier):
         generation = self._view.begin_scan()
         found = []
         try:
-            for name in self._redis.scan_iter(match=self._match(), count=self.config.scan_count):
+            cursor = None
+            while cursor != 0:
                 if self._refresher.stopping.is_set():
                     return  # closing: an unfinished scan must not drop anything
-                key = self._key_of(name)
-                if key is not None:
-                    found.append(key)
-            memory = self._redis.info("memory")
+                with request_deadline(self.config.request_timeout_s):
+                    cursor, names = self._redis.scan(cursor or 0, match=self._match(),
+                                                     count=self.config.scan_count)
+                found += [key for key in map(self._key_of, names) if key is not None]
+            with request_deadline(self.config.request_timeout_s):
+                memory = self._redis.info("memory")
             self._outage.succeeded()
         except SERVER_ERRORS as e:
             self._outage.failed(e)
@@ -217,6 +235,23 @@ class ValkeyTier(StorageTier):
         self._book.count("keys_vanished", n=dropped)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _check_credentials(self) -> None:
+        """A server that refuses our credentials (or wants some) is a start-up error: every
+        later call would fail the same way. Unreachable is not: that is an outage."""
+        try:
+            with request_deadline(self.config.request_timeout_s):
+                self._redis.ping()
+        except redis.AuthenticationError as e:  # (WRONGPASS, NOAUTH; holds no password)
+            self._io.shutdown(wait=False)
+            self._redis.connection_pool.disconnect()
+            raise ConfigError(
+                f"the Valkey server at {self.config.display_url} refused the credentials "
+                f"(username {self.config.credentials().get('username', 'default')!r}, "
+                f"password from storage_options.password_file "
+                f"{self.config.password_file!r}): {e}") from None
+        except SERVER_ERRORS:
+            pass  # down or stalled: the first refresh opens an outage episode
 
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -247,11 +282,16 @@ class ValkeyTier(StorageTier):
             batch.append(item)
             size += item[1][1].numel()
             if size >= cap:
-                self._book.start(self._io, run_batch, job, batch)
+                self._book.start(self._io, self._within_deadline, run_batch, job, batch)
                 batch, size = [], 0
         if batch:
-            self._book.start(self._io, run_batch, job, batch)
+            self._book.start(self._io, self._within_deadline, run_batch, job, batch)
         return job.job_id
+
+    def _within_deadline(self, run_batch, job: Job, batch: list) -> None:
+        """One batch's round trips, together bounded by ``request_timeout_s``."""
+        with request_deadline(self.config.request_timeout_s):
+            run_batch(job, batch)
 
     def _write_batch(self, job: Job, batch: list) -> None:
         done: list[int] = []
@@ -299,12 +339,16 @@ class ValkeyTier(StorageTier):
                 self._book.count("read_failed", "read_failed_unreachable", n=len(batch))
                 return
             pipe = self._redis.pipeline(transaction=False)
-            for _, (key, _) in batch:
-                pipe.get(self._name(key))
-            values = pipe.execute(raise_on_error=False)
+            fingerprint = self.config.layout_fingerprint
+            for _, (key, buf) in batch:  # the size, and at most the bytes we expect
+                name = self._name(key)
+                pipe.strlen(name)
+                pipe.getrange(name, 0, expected_bytes(key, fingerprint, buf.numel(),
+                                                        self.config.codec) - 1)
+            replies = pipe.execute(raise_on_error=False)
             self._outage.succeeded()
-            for (i, (key, buf)), value in zip(batch, values):
-                if self._fill(key, value, buf):
+            for (i, (key, buf)), held, value in zip(batch, replies[::2], replies[1::2]):
+                if self._fill(key, held, value, buf):
                     done.append(i)
         except SERVER_ERRORS as e:
             self._outage.failed(e)
@@ -329,20 +373,25 @@ class ValkeyTier(StorageTier):
                               align=NETWORK_ALIGN, codec=codec)
         return SplitValue(header, data)
 
-    def _fill(self, key: bytes, value, buf: torch.Tensor) -> bool:
-        """Check one GET reply and copy its data into ``buf``; False (and why, counted) if
-        it cannot be served."""
-        if value is None:  # evicted by the server, or deleted by another process
+    def _fill(self, key: bytes, held, value, buf: torch.Tensor) -> bool:
+        """Check one STRLEN + GETRANGE reply and copy its data into ``buf``; False (and why,
+        counted) if it cannot be served."""
+        refused = next((r for r in (held, value) if isinstance(r, Exception)), None)
+        if refused is not None:  # e.g. WRONGTYPE: not a string
+            self._book.count("read_failed", "read_failed_refused")
+            self._book.note("read-refused", "%s refused a read: %s", self.config.display_url,
+                            refused)
+            return False
+        if not held:  # evicted by the server, or deleted by another process
             self._view.discard([key])
             self._book.count("read_failed", "read_failed_absent")
             return False
-        if isinstance(value, Exception):
-            self._book.count("read_failed", "read_failed_refused")
-            self._book.note("read-refused", "%s refused a read: %s", self.config.display_url,
-                            value)
-            return False
-        got = unpack_into(value, key, self.config.layout_fingerprint, host_view(buf),
-                          align=NETWORK_ALIGN, codec=self.config.codec)
+        fingerprint, codec = self.config.layout_fingerprint, self.config.codec
+        if held != expected_bytes(key, fingerprint, buf.numel(), codec):  # only its start read
+            got = judge_wrong_size(value, held, key, fingerprint, buf.numel(), codec)
+        else:
+            got = unpack_into(value, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
+                              codec=codec)
         if got.bad is not None:
             return self._discard(key, got.bad)
         if not got.ok:  # an intact value of another size: the caller's buffer is wrong

@@ -1,4 +1,5 @@
-"""ServerKeys: the keys a shared Valkey server is believed to hold, kept in memory.
+"""ServerKeys: the keys a shared store (a Valkey server; other writers' S3 objects) is
+believed to hold, kept in memory.
 
 ``lookup`` is on the scheduler's path every step and must never touch the network, so the tier
 answers from this view. It is a hint, filled by our own writes and reads and corrected by a
@@ -25,11 +26,11 @@ from kv_offload.backends.filesystem.changes import ChangeFeed
 class ServerKeys:
     """A thread-safe set of keys with scan generations and a change feed."""
 
-    def __init__(self) -> None:
+    def __init__(self, feed: ChangeFeed | None = None) -> None:
         self._lock = threading.Lock()
         self._stamps: dict[bytes, int] = {}  # key -> generation it was last confirmed in
         self._generation = 0
-        self._feed = ChangeFeed()
+        self._feed = feed if feed is not None else ChangeFeed()  # (shared: S3's BucketKeys)
 
     def __len__(self) -> int:
         return len(self._stamps)
