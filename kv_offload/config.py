@@ -52,6 +52,11 @@ class OffloadConfig:
     Only the path is kept here: the secret is read where keys are derived, never logged."""
     encrypt: bool = False
     """Encrypt stored records with AES-GCM under a key derived from secret_file."""
+    in_step_load_bytes: int = 256 * 2**20
+    """A hit whose bytes are all in host memory on every rank, at most this many per rank, is
+    loaded inside the step that schedules its request (its prefill runs in that step); a
+    larger hit, or one read from the storage tier, waits in an asynchronous load. 0: always
+    asynchronous."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
         """The offloaded chunk size in tokens: the engine's block size (the one rule: a
@@ -118,6 +123,10 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             raise ConfigError("fs_bytes_to_use is set but fs_root_dir is not; set fs_root_dir "
                               "to enable the disk tier")
         values["fs_bytes_to_use"] = parse_size("fs_bytes_to_use", extra["fs_bytes_to_use"])
+    if "in_step_load_bytes" in extra:
+        budget = extra["in_step_load_bytes"]  # (0: every load asynchronous)
+        values["in_step_load_bytes"] = 0 if budget in (0, "0") and budget is not False \
+            else parse_size("in_step_load_bytes", budget)
     if "block_size" in extra:
         block = extra["block_size"]
         if isinstance(block, bool) or not isinstance(block, int) or block <= 0:

@@ -36,6 +36,7 @@ from kv_offload.types import Location
 from kv_offload.vllm import startup_error
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.fingerprint import fingerprint_extra
+from kv_offload.vllm.in_step_loads import InStepLoads
 from kv_offload.vllm.kv_events import kv_events_enabled, make_kv_events
 from kv_offload.vllm.mamba_states import check_mamba_servable
 from kv_offload.vllm.metadata import KVOffloadMetadata
@@ -79,7 +80,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = OffloadScheduler(
                 [g.spec for g in groups], hash_block_size, world_size,
                 events=make_kv_events(vllm_config, kv_cache_config, hash_block_size,
-                                      choice.name if choice else None))
+                                      choice.name if choice else None),
+                in_step=InStepLoads([g.spec for g in groups], [
+                    g.spec.page_size_bytes * len(g.layer_names) for g in groups],
+                    self.config.in_step_load_bytes))
             self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)
@@ -121,11 +125,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.begin_step(meta.step)
             if meta.reset:
                 self._worker.reset()
-            self._worker.start_loads(meta.loads, meta.failed_loads)
+            self._worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step)
 
         def fail_all() -> None:  # whatever was promised must come back, as failed
-            self._worker.fail_loads([*getattr(meta, "loads", {}),
-                                     *getattr(meta, "failed_loads", ())])
+            loads = getattr(meta, "loads", {})
+            self._worker.fail_loads([*loads, *getattr(meta, "failed_loads", ())],
+                                    getattr(meta, "in_step", ()), loads)
 
         self._contained("start_load_kv", start, fail_all)
 
@@ -153,7 +158,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self._contained("get_transfer_results", results, KVConnectorTransferResults)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # see get_transfer_results
+        # Blocks of this step's in-step loads that did not arrive (only models with one
+        # group load in-step); asynchronous loads fail per request (get_transfer_results).
+        return self._contained("get_block_ids_with_load_errors",
+                               self._worker.take_block_errors, set)
 
     def build_connector_worker_meta(self) -> Any:
         return self._contained("build_connector_worker_meta", self._worker.report, None)
@@ -220,7 +228,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         def lookup() -> tuple[int | None, bool]:
             tokens, load_async, found = self._scheduler.num_new_matched_tokens(
                 request, num_computed_tokens)
-            if found is not None and not load_async:  # a hit is counted once its source is known
+            if found is not None and not tokens:  # a hit is counted once its source is known
                 self._lookup_stats.record_lookup(found.query_tokens, 0, 0, 0)
             return tokens, load_async
 

@@ -32,6 +32,9 @@ class KVOffloadMetadata(KVConnectorMetadata):
 
     loads: dict[str, GroupBlocks] = field(default_factory=dict)
     """Per request: blocks to fill from our tiers before the request runs."""
+    in_step: list[str] = field(default_factory=list)
+    """Those of `loads` that finish before this step's forward (the request runs in this
+    step): their failures are reported as block ids, not in `failed_recving`."""
     failed_loads: list[str] = field(default_factory=list)
     """Requests promised a load that the scheduler could not plan: report them failed."""
     stores: GroupBlocks = field(default_factory=dict)

@@ -7,12 +7,10 @@ so an inventory found at start-up streams in), and this side keeps each rank's m
 key -> location: a key is a hit only when every rank holds it (each rank holds its own
 shard). Every step costs what changed in it: report batches, new blocks (each group's
 `StoreFrontier` decides each block once), and lookups of requests that arrive or stop
-waiting. A report can be one step late, so a hit may still fail to load: the
-worker then reports the request in `failed_recving` and vLLM recomputes it, and this side
-stops offering hits to that request.
-
-Blocks are stored in the step whose forward completes them (sliding-window blocks are freed
-by vLLM soon after), and only the blocks some future hit can load (`StoreFrontier`).
+waiting. A report can be one step late, so a hit may still fail to load: vLLM recomputes
+it (and this side offers that request no more hits). A hit loads in the step that schedules
+its request when `InStepLoads` allows, else asynchronously. Blocks are stored in the step
+whose forward completes them, only those some future hit can load (`StoreFrontier`).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import HOST_BIT, GroupBlocks, Location
 from kv_offload.vllm.block_tables import track_block_ids
+from kv_offload.vllm.in_step_loads import InStepLoads
 from kv_offload.vllm.kv_events import KVEvents
 from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
@@ -66,8 +65,10 @@ class OffloadScheduler:
     """Scheduler-side state of the connector (one per engine)."""
 
     def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int,
-                 events: KVEvents | None = None) -> None:
+                 events: KVEvents | None = None, *, in_step: InStepLoads | None = None
+                 ) -> None:
         self.specs = specs
+        self.in_step = in_step or InStepLoads(specs, [], 0)  # (default: all asynchronous)
         self.events = events or KVEvents()  # KV events for routers (off: does nothing)
         self.hash_block_size = hash_block_size
         self.world_size = world_size
@@ -82,8 +83,10 @@ class OffloadScheduler:
         self._states = BoundaryStateStores(specs, hash_block_size)
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
-        self._pending_hits: dict[str, tuple[Any, int]] = {}  # req -> (CacheHit, local tokens)
+        # req -> (CacheHit, local tokens, load asynchronously)
+        self._pending_hits: dict[str, tuple[Any, int, bool]] = {}
         self._loads: dict[str, GroupBlocks] = {}
+        self._in_step: list[str] = []  # of `_loads`: the ones done before this step's forward
         self._failed_loads: list[str] = []
         self._reset = False
         # Reports lag the plans by a step; while a request's prefix is being stored, or a
@@ -121,8 +124,10 @@ class OffloadScheduler:
         state.counted = True
         if hit.num_tokens <= num_computed_tokens:
             return 0, False, result
-        self._pending_hits[request.request_id] = (hit, num_computed_tokens)
-        return hit.num_tokens - num_computed_tokens, True, result
+        load_async = not self.in_step.fits(
+            hit, num_computed_tokens, self._keys, lambda g, i: self._hash_of(request, g, i))
+        self._pending_hits[request.request_id] = (hit, num_computed_tokens, load_async)
+        return hit.num_tokens - num_computed_tokens, load_async, result
 
     def _longest_hit(self, request: Any, num_computed_tokens: int):
         """The longest hit every rank can serve (loads larger than a host tier are staged
@@ -138,7 +143,7 @@ class OffloadScheduler:
         pending = self._pending_hits.pop(request.request_id, None)
         if num_external_tokens == 0 or pending is None:
             return
-        hit, local_tokens = pending
+        hit, local_tokens, load_async = pending
         plan: GroupBlocks = {}
         for g, spec in enumerate(self.specs):
             first = local_tokens // spec.block_size  # the engine has the blocks before this
@@ -152,9 +157,10 @@ class OffloadScheduler:
                 plan[g] = (hashes, ids)
                 self.events.record_blocks(request, g, blocks)
         self._loads[request.request_id] = plan
-        self._requests[request.request_id].loading = True
-
-    # --- stores and metadata ---
+        if load_async:
+            self._requests[request.request_id].loading = True
+        else:  # loaded before this step's forward, which runs the request
+            self._in_step.append(request.request_id)
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
@@ -189,12 +195,13 @@ class OffloadScheduler:
                 self._plan_stores(state, done, stores)
         if with_states:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
-        meta = KVOffloadMetadata(loads=self._loads, failed_loads=self._failed_loads,
-                                 stores=stores, reset=self._reset,
-                                 step=self._step, wait_for_stores=wait_for_stores)
+        meta = KVOffloadMetadata(loads=self._loads, in_step=self._in_step,
+                                 failed_loads=self._failed_loads, stores=stores,
+                                 reset=self._reset, step=self._step,
+                                 wait_for_stores=wait_for_stores)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
-        self._loads, self._failed_loads, self._reset = {}, [], False
+        self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
         self._step += 1
         return meta
 
@@ -267,8 +274,6 @@ class OffloadScheduler:
              for g, (frontier, spec) in enumerate(zip(state.frontiers, self.specs))
              if g not in self._states.groups), default=1 << 62)
 
-    # --- worker reports and request ends ---
-
     def apply_worker_meta(self, meta: KVOffloadWorkerMetadata | None) -> None:
         """Apply the ranks' reports: O(keys changed)."""
         if meta is None:
@@ -311,8 +316,8 @@ class OffloadScheduler:
         return False
 
     def fence_next_step(self) -> None:
-        """Some request's blocks were freed and we could not tell which (a recovery path):
-        the next forward waits for every store still copying out of engine memory."""
+        """Blocks were freed and we cannot tell which (a recovery path): the next forward
+        waits for every store still copying out of engine memory."""
         self._fence.unknown_free()
 
     def reset(self) -> None:
@@ -321,8 +326,7 @@ class OffloadScheduler:
         self._lag.reset_step = self._step  # the step whose plans will carry it
 
     @property
-    def num_keys(self) -> int:
-        """Keys some rank holds (tests and tools; O(ranks))."""
+    def num_keys(self) -> int:  # (tests and tools; O(ranks))
         return self._keys.num_keys
 
     def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
@@ -335,18 +339,20 @@ class OffloadScheduler:
             if state is not None:
                 state.stores_off = True
                 state.loading = False  # it runs: vLLM saw its load end
-        failed = [*self._loads, *self._failed_loads]
+        # (in-step loads still run: their requests run now; a failure is reported by block)
+        failed = [*(r for r in self._loads if r not in self._in_step), *self._failed_loads]
         for request_id in failed:
             state = self._requests.get(request_id)
             if state is not None:
                 state.loading = True  # until the workers report it back
-        meta = KVOffloadMetadata(failed_loads=failed, reset=self._reset, step=self._step)
-        self._loads, self._failed_loads, self._reset = {}, [], False
+        in_step = {r: self._loads[r] for r in self._in_step}
+        meta = KVOffloadMetadata(loads=in_step, in_step=list(in_step), failed_loads=failed,
+                                 reset=self._reset, step=self._step)
+        self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
         self._step += 1
         return meta
 
-    def is_loading(self, request_id: str) -> bool:
-        """Whether a load into this request's blocks may be in flight."""
+    def is_loading(self, request_id: str) -> bool:  # (a load into its blocks may run)
         state = self._requests.get(request_id)
         return state is not None and state.loading
 
@@ -359,8 +365,6 @@ class OffloadScheduler:
         state = self._requests.get(request_id)
         if state is not None:
             state.loading = True  # until the workers report it back
-
-    # --- helpers ---
 
     def _awaiting_report(self, request: Any, state: _Request) -> bool:
         """Whether a reset, or a store of one of this request's blocks, is planned but not
@@ -381,9 +385,9 @@ class OffloadScheduler:
             state.waiting_since = now
         return now - state.waiting_since < MAX_REPORT_WAIT_S
 
-    def _hash_of(self, request: Any, group: int, block: int) -> bytes:
-        per_block = self.specs[group].block_size // self.hash_block_size
-        return bytes(request.block_hashes[(block + 1) * per_block - 1])
+    def _hash_of(self, request: Any, group: int, block: int) -> bytes:  # (its last hash)
+        return bytes(request.block_hashes[(block + 1) * (
+            self.specs[group].block_size // self.hash_block_size) - 1])
 
     def _is_cached_fn(self, request: Any) -> HeldBlocks:
         """`is_cached(group, block)` for one lookup (each block's key: its last hash)."""

@@ -34,8 +34,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -51,6 +50,8 @@ from kv_offload.vllm.exit_hook import at_interpreter_exit
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
 from kv_offload.vllm.pump import Pump
 from kv_offload.vllm.stats import KVOffloadStats
+from kv_offload.vllm.worker_in_step import InStepLoadsOfWorker
+from kv_offload.vllm.worker_jobs import Job, Outcome, record_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +63,7 @@ _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones
 FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
 
-@dataclass
-class _Job:
-    request_id: str | None  # loads: the request; stores: None
-    step: int  # the plan step that submitted it
-    started: float
-    num_blocks: int
-    num_bytes: int
-    abandoned: bool = False  # a store the engine stopped waiting for
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    result: TieredResult
-    job: _Job
-    seconds: float
-
-
-class OffloadWorker:
+class OffloadWorker(InStepLoadsOfWorker):
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
@@ -100,9 +84,10 @@ class OffloadWorker:
         # in flight" alone does not mean the step's stores are out of engine memory.
         self._stores_submitted = -1
         self._lock = threading.Condition()
-        self._jobs: dict[int, _Job] = {}
-        self._outcomes: list[_Outcome] = []
+        self._jobs: dict[int, Job] = {}
+        self._outcomes: list[Outcome] = []
         self._failed_now: set[str] = set()  # loads that could not even start
+        self._block_errors: set[int] = set()  # blocks of in-step loads that did not arrive
         self._stats = KVOffloadStats()
         self._loads_in_flight = 0  # requests wait for them: no yield (read without the lock)
         self._suspended = False  # vLLM's sleep mode unmapped engine memory: touch none of it
@@ -135,22 +120,27 @@ class OffloadWorker:
         """Block until every store submitted so far has copied its engine blocks out; past
         the timeout, abandon the stragglers instead (the engine must go on)."""
         timeout_s = self.copy_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
         with self._lock:
-            while stragglers := self._stragglers():
-                # Collect finished copies here, not at the pump's next round (it sleeps
-                # between rounds): the copies are usually out by the time we look.
-                self._pump_once()
-                if not (stragglers := self._stragglers()):
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.faults.failed("engine copy", f"{len(stragglers)} store(s) not copied "
-                                       f"out of engine memory within {timeout_s} s")
-                    self._abandon(stragglers)
-                    return
-                self._lock.wait(timeout=min(_COPY_POLL_S, left))
+            if not self._drive_until(lambda: not self._stragglers(), timeout_s):
+                stragglers = self._stragglers()
+                self.faults.failed("engine copy", f"{len(stragglers)} store(s) not copied "
+                                   f"out of engine memory within {timeout_s} s")
+                self._abandon(stragglers)
+                return
         self.faults.succeeded("engine copy")
+
+    def _drive_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Lock held: advance the store here (not at the pump's next round: it sleeps
+        between rounds, and copies are usually out by the time we look) until `done()`, at
+        most `timeout_s`. Whether it is done."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            self._pump_once()
+            left = deadline - time.monotonic()
+            if done() or left <= 0:
+                return done()
+            self._lock.wait(timeout=min(_COPY_POLL_S, left))
+        return True
 
     def _reflected_step(self) -> int:
         """Lock held: the last plan step whose stores have all been copied out of engine
@@ -176,13 +166,15 @@ class OffloadWorker:
         """A new step's plans arrived."""
         self._step = step
 
-    def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = ()
-                    ) -> None:
-        """Start this step's loads; `failed`: loads the scheduler could not plan."""
+    def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = (),
+                    in_step: Collection[str] = ()) -> None:
+        """Start this step's loads; `failed`: loads the scheduler could not plan; `in_step`:
+        loads to finish before returning (vLLM runs their requests in this step's forward:
+        see in_step_loads.py); their blocks that did not arrive go to `take_block_errors`."""
         with self._lock:
             self._failed_now.update(failed)
             if self._suspended:  # (vLLM pauses before it sleeps: a recovery path)
-                self._failed_now.update(loads)
+                self.fail_loads(loads, in_step, loads)
                 return
             # GPU: one event on the engine's stream orders every copy of these loads after
             # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
@@ -190,19 +182,15 @@ class OffloadWorker:
             for request_id, blocks in loads.items():
                 try:
                     job_id = self.store.submit_load(blocks, ready)
-                    self._jobs[job_id] = self._job(request_id, blocks)
+                    self._jobs[job_id] = self._job(request_id, blocks, request_id in in_step)
                     self._loads_in_flight += 1
                 except Exception as exc:
                     self.faults.failed("load submit", exc)
-                    self._failed_now.add(request_id)
+                    self.fail_loads([request_id], in_step, loads)
             self._lock.notify_all()
+            if in_step:
+                self._finish_in_step_loads()
         self._pump.wake()
-
-    def fail_loads(self, request_ids: Collection[str]) -> None:
-        """Report these loads failed at the next `finished_loads` without starting them
-        (a recovery path: it only records ids)."""
-        with self._lock:
-            self._failed_now.update(request_ids)
 
     def start_stores(self, stores: GroupBlocks) -> None:
         """Copy out the blocks this step's forward completed (the pump stages them, in the
@@ -228,21 +216,12 @@ class OffloadWorker:
             failed_now, self._failed_now = self._failed_now, set()
         finished, failed = set(failed_now), set(failed_now)
         for outcome in outcomes:
-            result, job = outcome.result, outcome.job
-            failed_blocks = sum(len(ids) for ids in result.failed.values())
-            if result.direction is Direction.LOAD:
-                finished.add(job.request_id)
-                if not result.success:
+            record_outcome(outcome, self._stats)
+            job = outcome.job
+            if outcome.result.direction is Direction.LOAD and not job.in_step:
+                finished.add(job.request_id)  # (in-step loads: reported as block errors)
+                if not outcome.result.success:
                     failed.add(job.request_id)
-                self._stats.record_load(job.num_blocks, job.num_bytes, outcome.seconds,
-                                        failed_blocks)
-            else:
-                # (`skipped` counts keys: the same as blocks unless a key was listed twice)
-                skipped = min(job.num_blocks, result.skipped)
-                stored = job.num_blocks - skipped
-                self._stats.record_store(stored, job.num_bytes * stored // max(1, job.num_blocks),
-                                         outcome.seconds, max(0, failed_blocks - skipped),
-                                         skipped_blocks=skipped)
         return finished, failed
 
     def report(self) -> KVOffloadWorkerMetadata:
@@ -289,12 +268,8 @@ class OffloadWorker:
         with self._lock:
             self._suspended = True
         self.wait_for_engine_copies()
-        deadline = time.monotonic() + self.copy_timeout_s
         with self._lock:
-            while self._loads_in_flight and time.monotonic() < deadline:
-                self._pump_once()
-                self._lock.wait(timeout=_COPY_POLL_S)
-            if self._loads_in_flight:
+            if not self._drive_until(lambda: not self._loads_in_flight, self.copy_timeout_s):
                 self.faults.failed("sleep", f"{self._loads_in_flight} load(s) still filling "
                                    f"engine memory after {self.copy_timeout_s} s")
 
@@ -337,11 +312,13 @@ class OffloadWorker:
 
     # --- internals ---
 
-    def _job(self, request_id: str | None, blocks: GroupBlocks) -> _Job:
+    def _job(self, request_id: str | None, blocks: GroupBlocks, in_step: bool = False) -> Job:
         num_blocks = sum(len(ids) for _, ids in blocks.values())
         num_bytes = sum(len(ids) * self.canonical.data_bytes_per_block(g)
                         for g, (_, ids) in blocks.items())
-        return _Job(request_id, self._step, time.monotonic(), num_blocks, num_bytes)
+        block_ids = [i for _, ids in blocks.values() for i in ids] if in_step else []
+        return Job(request_id, self._step, time.monotonic(), num_blocks, num_bytes,
+                   in_step=in_step, block_ids=block_ids)
 
     def abandon_stores(self) -> None:
         """The engine goes on without waiting for the stores in flight (e.g. the wait
@@ -363,8 +340,11 @@ class OffloadWorker:
         for result in results:
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
-                self._outcomes.append(_Outcome(result, job, now - job.started))
+                self._outcomes.append(Outcome(result, job, now - job.started))
                 self._loads_in_flight -= job.request_id is not None
+                if job.in_step:  # (its request runs in this step: failures by block)
+                    self._block_errors.update(i for ids in result.failed.values()
+                                              for i in ids)
         if results:
             self._lock.notify_all()
 

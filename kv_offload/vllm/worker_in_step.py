@@ -1,0 +1,56 @@
+"""The worker's half of in-step loads (see in_step_loads.py for which loads go in-step).
+
+`start_loads` submits an in-step load like any other, then `_finish_in_step_loads` drives the
+store until it ended: vLLM calls `start_load_kv` before the forward of a step with in-step
+loads, so the forward reads complete blocks. Their requests run in this very step, so a
+failure cannot be reported by request (`failed_recving`): the blocks that did not arrive
+are reported (`take_block_errors`, vLLM's `get_block_ids_with_load_errors`) and vLLM
+recomputes them right after that forward.
+
+A mixin of `OffloadWorker` (its lock, jobs, store and fault log); its own module only to keep
+each file one concern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from kv_offload.types import GroupBlocks
+
+
+class InStepLoadsOfWorker:
+    """In-step loads: waited for before the forward, failures reported by block."""
+
+    def _finish_in_step_loads(self) -> None:
+        """Lock held: drive the store until this step's in-step loads ended (their copies
+        are all in engine memory), at most `copy_timeout_s`; past it, their blocks are
+        reported failed and their late results ignored (a stuck thread: the fault log)."""
+        if self._drive_until(lambda: not any(j.in_step for j in self._jobs.values()),
+                             self.copy_timeout_s):
+            return
+        late = [job_id for job_id, job in self._jobs.items() if job.in_step]
+        self.faults.failed("in-step load", f"{len(late)} load(s) not done within "
+                           f"{self.copy_timeout_s} s; recomputed")
+        for job_id in late:
+            self._block_errors.update(self._jobs.pop(job_id).block_ids)
+            self._loads_in_flight -= 1
+
+    def fail_loads(self, request_ids: Collection[str], in_step: Collection[str] = (),
+                   loads: Mapping[str, GroupBlocks] | None = None) -> None:
+        """Report these loads failed without starting them (a recovery path: it only
+        records): by request at the next `finished_loads`, or, for in-step loads (whose
+        requests vLLM runs in this step), by their blocks in `loads`."""
+        with self._lock:
+            for request_id in request_ids:
+                if request_id in in_step and loads is not None:
+                    self._block_errors.update(i for _, ids in loads[request_id].values()
+                                              for i in ids)
+                else:
+                    self._failed_now.add(request_id)
+
+    def take_block_errors(self) -> set[int]:
+        """Engine blocks of in-step loads that did not arrive since the last call (vLLM
+        recomputes them, right after the forward that read them)."""
+        with self._lock:
+            errors, self._block_errors = self._block_errors, set()
+        return errors

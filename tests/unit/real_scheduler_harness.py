@@ -1,0 +1,309 @@
+"""The harness of test_vllm_real_scheduler.py: vLLM's real Scheduler over a tiny local Llama,
+and a played model runner routing each step's calls to a real `OffloadWorker` in vLLM's order
+(in-step loads before the forward, asynchronous ones after it). See that test's docstring."""
+
+# ruff: noqa: E402  (vLLM is imported only once importorskip found it)
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import vllm
+from packaging.version import Version
+from vllm import SamplingParams
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.attention.backends import utils as attention_utils
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kv_offload.config import parse_config
+from kv_offload.testing.engine_alloc import allocate_kv_caches
+from kv_offload.testing.tiny_vocab import VOCAB_SIZE
+from kv_offload.vllm.metadata import KVOffloadMetadata
+from kv_offload.vllm.spec_translation import translate_groups
+from kv_offload.vllm.worker_side import OffloadWorker
+
+# The only switch between vLLM 0.32 and 0.33 (the Scheduler's constructor, Request, the
+# SchedulerOutput fields read here and ModelRunnerOutput are the same in both).
+VLLM_033 = Version(vllm.__version__).release >= (0, 33)
+
+BLOCK = 32  # engine block size (vLLM's CPU attention needs a multiple of 32)
+LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 32  # build_llama's defaults (hidden 128, 4 heads)
+NUM_BLOCKS = 64
+PROMPT_LEN = 200  # 6 full blocks and 8 tokens
+HIT_TOKENS = (PROMPT_LEN - 1) // BLOCK * BLOCK  # whole blocks, never the last token: 192
+FULL_BLOCKS = HIT_TOKENS // BLOCK
+PROMPT = [4 + (i * 37) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]  # words, no specials
+MAX_TOKENS = 3
+STEP_DEADLINE_S = 10.0  # loads and stores run on the worker's threads: wait this long at most
+
+
+def vllm_config_for(model_dir, extra: dict) -> VllmConfig:
+    transfer = KVTransferConfig(
+        kv_connector="KVOffloadConnector", kv_connector_module_path="kv_offload.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra)
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=transfer)
+
+
+@dataclass
+class _Planned:
+    """What EngineCore._initialize_kv_caches settles before it builds the Scheduler."""
+
+    worker: KVCacheConfig
+    scheduler: KVCacheConfig
+    block_size: int
+    hash_block_size: int
+
+
+def plan_kv_caches(vllm_config: VllmConfig) -> _Planned:
+    """vLLM's KV-cache planning for one CPU worker: the tiny Llama's layers, NUM_BLOCKS."""
+    register_all_kvcache_specs(vllm_config)
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=model.get_num_kv_heads(parallel),
+                             head_size=model.get_head_size(), dtype=model.dtype)
+    assert (model.get_num_layers(parallel), spec.num_kv_heads, spec.head_size, spec.dtype) == \
+        (LAYERS, KV_HEADS, HEAD_SIZE, torch.bfloat16)  # (what the played forward writes)
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(LAYERS)}]
+    memory = [NUM_BLOCKS * LAYERS * spec.page_size_bytes]
+    # From the layouts the CPU worker's attention backend supports, onto cache_config:
+    supported = attention_utils.get_supported_kv_cache_layouts([CPUAttentionBackend])
+    attention_utils.resolve_kv_cache_layout(vllm_config, [[layout.name for layout in supported]],
+                                            specs[0].values())
+    if VLLM_033:  # vLLM 0.33 moved the planning to kv_cache_planning; it takes the groups
+        from vllm.v1.core import kv_cache_planning as planning
+
+        configs = planning.get_kv_cache_configs(
+            vllm_config, specs, memory, planning.get_global_kv_cache_groups(vllm_config, specs))
+    else:  # vLLM 0.32
+        configs = kv_cache_utils.get_kv_cache_configs(vllm_config, specs, memory)
+    scheduler_config = kv_cache_utils.generate_scheduler_kv_cache_config(configs)
+    vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
+    block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
+        scheduler_config, vllm_config)
+    alignment = kv_cache_utils.resolve_cache_hit_alignment_tokens(
+        scheduler_config, vllm_config, block_size, hash_block_size)
+    for config in (*configs, scheduler_config):
+        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        config.hash_block_size = hash_block_size
+        config.cache_hit_alignment_tokens = alignment
+    return _Planned(configs[0], scheduler_config, block_size, hash_block_size)
+
+
+def _slot_bytes(layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """What the played forward writes for these tokens: [H, len(tokens), K|V] in bfloat16,
+    small integers (exact in bfloat16) mixing layer, head, token id, position and lane."""
+    lanes, heads = torch.arange(2 * HEAD_SIZE), torch.arange(KV_HEADS)
+    mixed = (layer * 101 + heads[:, None, None] * 31 + tokens[None, :, None] * 7
+             + positions[None, :, None] * 13 + lanes[None, None, :])
+    return (mixed % 251 - 125).to(torch.bfloat16)
+
+
+@dataclass
+class _RunnerRequest:
+    token_ids: list[int]
+    block_ids: list[int]  # the single full-attention group's block table
+    num_computed: int
+
+
+@dataclass
+class Step:
+    """One engine step: vLLM's plan, our metadata, loads finished, requests' states after."""
+
+    output: SchedulerOutput
+    meta: KVOffloadMetadata
+    finished_recving: set[str]
+    states: dict[str, tuple[RequestStatus, int]]
+
+
+class PlayedModelRunner:
+    """vLLM's model runner and worker-role connector, minus the model: the real
+    `OffloadWorker` behind the calls `KVOffloadConnector` makes for vLLM's runner."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, extra: dict) -> None:
+        groups, num_blocks = translate_groups(kv_cache_config), kv_cache_config.num_blocks
+        self.buffer, self.caches = allocate_kv_caches(
+            groups, num_blocks, layout=kv_cache_config.kv_cache_layout)
+        self.worker = OffloadWorker(parse_config(extra), rank=0,
+                                    fingerprint_extra="test_vllm_real_scheduler")
+        self.worker.register(self.caches, groups, num_blocks)
+        self.requests: dict[str, _RunnerRequest] = {}
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        meta = scheduler_output.kv_connector_metadata
+        assert isinstance(meta, KVOffloadMetadata), type(meta).__name__
+        self.worker.step_started()  # handle_preemptions: before anything of the step
+        if meta.wait_for_stores:
+            self.worker.wait_for_engine_copies()
+        self._update_states(scheduler_output)
+        # start_load_kv: before the forward when the step has in-step loads, else after it
+        if scheduler_output.has_sync_kv_loads:
+            self._start_load_kv(meta)
+        sampled = self._forward(scheduler_output)
+        if not scheduler_output.has_sync_kv_loads:
+            self._start_load_kv(meta)
+        self.worker.start_stores(meta.stores)  # wait_for_save
+        finished, failed = self.worker.finished_loads()  # get_transfer_results
+        kv_output = KVConnectorOutput(finished_recving=finished or None, failed_recving=failed,
+                                      invalid_block_ids=self.worker.take_block_errors(),
+                                      kv_connector_worker_meta=self.worker.report())
+        if not scheduler_output.total_num_scheduled_tokens:  # (kv_connector_no_forward)
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        req_ids = list(sampled)
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids], kv_connector_output=kv_output)
+
+    def _start_load_kv(self, meta: KVOffloadMetadata) -> None:
+        self.worker.begin_step(meta.step)
+        if meta.reset:
+            self.worker.reset()
+        self.worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner's token ids and block tables (vLLM sends only what changed)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            (block_ids,) = new.block_ids
+            self.requests[new.req_id] = _RunnerRequest(
+                list(new.prompt_token_ids), list(block_ids), new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            if cached.new_block_ids[i] is not None:
+                state.block_ids.extend(cached.new_block_ids[i][0])
+            state.num_computed = cached.num_computed_tokens[i]
+        for block_id in scheduler_output.new_block_ids_to_zero or ():
+            for cache in self.caches.values():
+                cache[block_id].zero_()
+
+    def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """Write each scheduled token's slot; sample a fixed word where the tokens end."""
+        sampled = {}
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start, end = state.num_computed, state.num_computed + num_tokens
+            positions = torch.arange(start, end)
+            tokens = torch.tensor(state.token_ids[start:end])
+            blocks = torch.tensor([state.block_ids[p // BLOCK] for p in range(start, end)])
+            for layer, cache in enumerate(self.caches.values()):
+                # [B, H, N, C]: each token's slot is (its block, every head, its offset)
+                cache[blocks, :, positions % BLOCK] = \
+                    _slot_bytes(layer, tokens, positions).permute(1, 0, 2)
+            sampled[req_id] = []
+            if end >= len(state.token_ids):  # only max_tokens ends a request here
+                state.token_ids.append(4 + (len(state.token_ids) * 17) % (VOCAB_SIZE - 4))
+                sampled[req_id] = state.token_ids[-1:]
+        return sampled
+
+    def block_bytes(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Every layer's pages of these blocks, copied."""
+        return [cache[block_ids].clone() for cache in self.caches.values()]
+
+
+def expected_bytes(token_ids: list[int], num_blocks: int) -> list[torch.Tensor]:
+    """What the forward writes into the first `num_blocks` blocks of these tokens."""
+    n = num_blocks * BLOCK
+    tokens, positions = torch.tensor(token_ids[:n]), torch.arange(n)
+    return [_slot_bytes(layer, tokens, positions)  # [H, n, C] -> [blocks, H, BLOCK, C]
+            .reshape(KV_HEADS, num_blocks, BLOCK, -1).permute(1, 0, 2, 3)
+            for layer in range(LAYERS)]
+
+
+class Engine:
+    """EngineCore.step's loop over the real Scheduler and the played runner."""
+
+    def __init__(self, vllm_config: VllmConfig, planned: _Planned, extra: dict) -> None:
+        self.scheduler = Scheduler(
+            vllm_config=vllm_config, kv_cache_config=planned.scheduler,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=planned.block_size, hash_block_size=planned.hash_block_size,
+            log_stats=True)
+        self.runner = PlayedModelRunner(planned.worker, extra)
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        kv_cache_utils.init_none_hash(hash_fn)
+        # vLLM 0.33's EngineCore also passes its hash look-ahead (0 here); 0.32 has none.
+        lookahead = (vllm_config.num_hash_lookahead_tokens,) if VLLM_033 else ()
+        self.block_hasher = kv_cache_utils.get_request_block_hasher(
+            planned.hash_block_size, hash_fn, *lookahead)
+
+    def add(self, req_id: str) -> Request:
+        request = Request(req_id, PROMPT, SamplingParams(max_tokens=MAX_TOKENS), None,
+                          block_hasher=self.block_hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Step:
+        output = self.scheduler.schedule()
+        runner_output = self.execute(output)
+        kv_output = runner_output.kv_connector_output
+        return Step(output, output.kv_connector_metadata,
+                     set(kv_output.finished_recving or ()) if kv_output else set(),
+                     {r: (q.status, q.num_computed_tokens)
+                      for r, q in self.scheduler.requests.items()})
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run vLLM's plan on the played runner and hand vLLM the result. A token vLLM
+        discards (a request rescheduled after a failed in-step load) leaves the runner's
+        copy of the request too, as vLLM's own input batch follows the scheduler."""
+        runner_output = self.runner.execute(output)
+        self.scheduler.update_from_output(output, runner_output)
+        for req_id, state in self.runner.requests.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None:
+                del state.token_ids[request.num_tokens:]
+        return runner_output
+
+    def step_until(self, done: Callable[[Step], bool], what: str) -> list[Step]:
+        """Step until `done(last step)`; the worker's copies get up to STEP_DEADLINE_S."""
+        steps, deadline = [], time.monotonic() + STEP_DEADLINE_S
+        while not steps or not done(steps[-1]):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not {what} after {len(steps)} steps")
+            steps.append(self.step())
+            if not steps[-1].output.total_num_scheduled_tokens:
+                time.sleep(0.001)  # the worker's threads copy meanwhile
+        return steps
+
+    def run_to_completion(self, req_id: str) -> tuple[Request, list[Step]]:
+        request = self.add(req_id)
+        return request, self.step_until(lambda s: request.is_finished(), f"{req_id} finished")
+
+
+def scheduled_new(step: Step, req_id: str):  # vLLM's NewRequestData, or None
+    return next((new for new in step.output.scheduled_new_reqs if new.req_id == req_id), None)
+
+
+def stored(steps: list[Step]) -> list[tuple[bytes, int]]:  # (hash, id) of each store
+    return [pair for step in steps for hashes, ids in step.meta.stores.values()
+            for pair in zip(hashes, ids)]
+
+
+def forget_in_engine(engine: Engine) -> None:
+    """vLLM forgets its own copy; empty steps carry the worker's reports to the scheduler;
+    every block is overwritten, so only a load can bring A's bytes back."""
+    assert engine.scheduler.reset_prefix_cache()
+    empty = [engine.step() for _ in range(3)]
+    # A store copies its blocks out during the next forward; vLLM reuses a freed block only
+    # in a step whose forward first waits for those copies (`wait_for_stores`), as a step
+    # without a forward does: only after one may the test overwrite blocks behind vLLM.
+    assert all(step.output.total_num_scheduled_tokens == 0 and step.meta.wait_for_stores
+               for step in empty)
+    engine.runner.buffer.fill_(0x55)
+
+

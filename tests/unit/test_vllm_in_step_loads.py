@@ -1,0 +1,75 @@
+"""Which hits load inside the step that schedules their request (`InStepLoads`), driven
+through `OffloadScheduler` with vLLM's real Request and spec classes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_scheduler_helpers import (  # noqa: E402
+    ATTN,
+    IN_HOST,
+    ON_DISK,
+    keys,
+    output,
+    report,
+    request_factory,
+    run_hit,
+    vkv,
+)
+
+from kv_offload.vllm.in_step_loads import InStepLoads  # noqa: E402
+from kv_offload.vllm.scheduler_side import OffloadScheduler  # noqa: E402
+from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
+
+BLOCK_BYTES = 8192  # one block of the group on a rank (any value: the test sets budgets)
+
+
+def scheduler(*vllm_specs, budget: int, world_size: int = 1) -> OffloadScheduler:
+    config = vkv.KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[],
+        kv_cache_groups=[vkv.KVCacheGroupSpec([f"layers.{g}"], spec)
+                         for g, spec in enumerate(vllm_specs)])
+    specs = [g.spec for g in translate_groups(config)]
+    return OffloadScheduler(specs, 32, world_size, in_step=InStepLoads(
+        specs, [BLOCK_BYTES] * len(specs), budget))
+
+
+def hit_of(sched, where=IN_HOST, ranks=(0,), held_blocks=range(4)):
+    make = request_factory()
+    request = make("r", 32 * 5 + 7)
+    for rank in ranks:
+        report(sched, rank, keys(request, held_blocks), new=where)
+    return run_hit(sched, request, ([1, 2, 3, 4, 5, 6],))
+
+
+def test_a_host_hit_within_the_budget_loads_in_the_step():
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES)
+    assert hit_of(sched) == (128, False)
+    meta = sched.build_meta(output())
+    assert meta.in_step == ["r"] and list(meta.loads) == ["r"]
+    assert not sched.is_loading("r")  # vLLM runs it now: its blocks are not held back
+
+
+@pytest.mark.parametrize("why", ["over budget", "on disk", "one rank short", "off"])
+def test_otherwise_the_hit_loads_asynchronously(why):
+    budget = {"over budget": 3 * BLOCK_BYTES, "off": 0}.get(why, 4 * BLOCK_BYTES)
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=budget, world_size=2)
+    report(sched, 1, [])  # (rank 1 reports too: lookups may answer)
+    where = ON_DISK if why == "on disk" else IN_HOST
+    ranks = (0,) if why == "one rank short" else (0, 1)
+    if why == "one rank short":  # rank 1 holds the blocks on disk only
+        report(sched, 1, keys(request_factory()("r", 32 * 5 + 7), range(4)), new=ON_DISK)
+    assert hit_of(sched, where, ranks) == (128, True)
+    meta = sched.build_meta(output())
+    assert meta.in_step == [] and list(meta.loads) == ["r"]
+    assert sched.is_loading("r")
+
+
+def test_models_with_several_groups_or_mamba_states_always_load_asynchronously():
+    window = vkv.SlidingWindowSpec(sliding_window=64, **ATTN)
+    two_groups = scheduler(vkv.FullAttentionSpec(**ATTN), window, budget=1 << 30)
+    assert not two_groups.in_step.enabled
+    mamba = vkv.MambaSpec(block_size=32, shapes=((3, 64),), dtypes=(ATTN["dtype"],))
+    assert not scheduler(mamba, budget=1 << 30).in_step.enabled
