@@ -125,12 +125,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.begin_step(meta.step)
             if meta.reset:
                 self._worker.reset()
-            self._worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step)
+            self._worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step,
+                                     failed_blocks=meta.failed_blocks)
 
         def fail_all() -> None:  # whatever was promised must come back, as failed
             loads = getattr(meta, "loads", {})
             self._worker.fail_loads([*loads, *getattr(meta, "failed_loads", ())],
-                                    getattr(meta, "in_step", ()), loads)
+                                    getattr(meta, "in_step", ()), loads,
+                                    getattr(meta, "failed_blocks", ()))
 
         self._contained("start_load_kv", start, fail_all)
 
@@ -160,8 +162,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Blocks of this step's in-step loads that did not arrive (only models with one
         # group load in-step); asynchronous loads fail per request (get_transfer_results).
+        # If the errors cannot be taken, every block of this step's in-step loads is one.
         return self._contained("get_block_ids_with_load_errors",
-                               self._worker.take_block_errors, set)
+                               self._worker.take_block_errors,
+                               lambda: set(self._worker.in_step_blocks), set)
 
     def build_connector_worker_meta(self) -> Any:
         return self._contained("build_connector_worker_meta", self._worker.report, None)
@@ -240,7 +244,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             "update_state_after_alloc",
             lambda: self._scheduler.after_alloc(request, blocks.get_block_ids(),
                                                 num_external_tokens),
-            lambda: num_external_tokens and self._scheduler.fail_load(request.request_id))
+            lambda: num_external_tokens and self._scheduler.fail_load(
+                request.request_id, [i for ids in blocks.get_block_ids() for i in ids]))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:

@@ -37,6 +37,8 @@ class KVOffloadMetadata(KVConnectorMetadata):
     step): their failures are reported as block ids, not in `failed_recving`."""
     failed_loads: list[str] = field(default_factory=list)
     """Requests promised a load that the scheduler could not plan: report them failed."""
+    failed_blocks: list[int] = field(default_factory=list)
+    """Blocks of in-step loads the scheduler could not plan: report them as load errors."""
     stores: GroupBlocks = field(default_factory=dict)
     """Blocks this step's forward completes, to copy out after it."""
     reset: bool = False

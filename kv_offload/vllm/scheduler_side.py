@@ -31,6 +31,7 @@ from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.rank_keys import HeldBlocks, RankKeys
 from kv_offload.vllm.report_lag import ReportLag
+from kv_offload.vllm.scheduler_recovery import SchedulerRecovery
 from kv_offload.vllm.store_fence import StoreFence
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
@@ -61,7 +62,7 @@ class LookupResult:
     hit_tokens: int
 
 
-class OffloadScheduler:
+class OffloadScheduler(SchedulerRecovery):
     """Scheduler-side state of the connector (one per engine)."""
 
     def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int,
@@ -88,6 +89,7 @@ class OffloadScheduler:
         self._loads: dict[str, GroupBlocks] = {}
         self._in_step: list[str] = []  # of `_loads`: the ones done before this step's forward
         self._failed_loads: list[str] = []
+        self._failed_blocks: list[int] = []  # of in-step loads that could not be planned
         self._reset = False
         # Reports lag the plans by a step; while a request's prefix is being stored, or a
         # reset is under way, its lookup waits for the report (vLLM asks again next step).
@@ -196,12 +198,14 @@ class OffloadScheduler:
         if with_states:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
         meta = KVOffloadMetadata(loads=self._loads, in_step=self._in_step,
-                                 failed_loads=self._failed_loads, stores=stores,
+                                 failed_loads=self._failed_loads,
+                                 failed_blocks=self._failed_blocks, stores=stores,
                                  reset=self._reset, step=self._step,
                                  wait_for_stores=wait_for_stores)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
         self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
+        self._failed_blocks = []
         self._step += 1
         return meta
 
@@ -315,11 +319,6 @@ class OffloadScheduler:
         self._requests.pop(request_id, None)
         return False
 
-    def fence_next_step(self) -> None:
-        """Blocks were freed and we cannot tell which (a recovery path): the next forward
-        waits for every store still copying out of engine memory."""
-        self._fence.unknown_free()
-
     def reset(self) -> None:
         """Drop the host tier on every rank with the next step; lookups wait until done."""
         self._reset = True
@@ -328,43 +327,6 @@ class OffloadScheduler:
     @property
     def num_keys(self) -> int:  # (tests and tools; O(ranks))
         return self._keys.num_keys
-
-    def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
-        """This step's metadata when `build_meta` failed: no stores, and every load
-        planned since the last step reported failed (the requests recompute). The requests
-        of this step never store again: their block tables may have missed this step's
-        new blocks, and a block stored under the wrong index would serve wrong bytes."""
-        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
-            state = self._requests.get(req_id)
-            if state is not None:
-                state.stores_off = True
-                state.loading = False  # it runs: vLLM saw its load end
-        # (in-step loads still run: their requests run now; a failure is reported by block)
-        failed = [*(r for r in self._loads if r not in self._in_step), *self._failed_loads]
-        for request_id in failed:
-            state = self._requests.get(request_id)
-            if state is not None:
-                state.loading = True  # until the workers report it back
-        in_step = {r: self._loads[r] for r in self._in_step}
-        meta = KVOffloadMetadata(loads=in_step, in_step=list(in_step), failed_loads=failed,
-                                 reset=self._reset, step=self._step)
-        self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
-        self._step += 1
-        return meta
-
-    def is_loading(self, request_id: str) -> bool:  # (a load into its blocks may run)
-        state = self._requests.get(request_id)
-        return state is not None and state.loading
-
-    def fail_load(self, request_id: str) -> None:
-        """A hit was promised but its load cannot be planned: the workers report the
-        request failed (vLLM recomputes it) and no hit is offered to it again."""
-        self._pending_hits.pop(request_id, None)
-        self._loads.pop(request_id, None)
-        self._failed_loads.append(request_id)
-        state = self._requests.get(request_id)
-        if state is not None:
-            state.loading = True  # until the workers report it back
 
     def _awaiting_report(self, request: Any, state: _Request) -> bool:
         """Whether a reset, or a store of one of this request's blocks, is planned but not

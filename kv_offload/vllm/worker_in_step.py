@@ -36,11 +36,13 @@ class InStepLoadsOfWorker:
             self._loads_in_flight -= 1
 
     def fail_loads(self, request_ids: Collection[str], in_step: Collection[str] = (),
-                   loads: Mapping[str, GroupBlocks] | None = None) -> None:
+                   loads: Mapping[str, GroupBlocks] | None = None,
+                   failed_blocks: Collection[int] = ()) -> None:
         """Report these loads failed without starting them (a recovery path: it only
         records): by request at the next `finished_loads`, or, for in-step loads (whose
-        requests vLLM runs in this step), by their blocks in `loads`."""
+        requests vLLM runs in this step), by their blocks in `loads` (and `failed_blocks`)."""
         with self._lock:
+            self._block_errors.update(failed_blocks)
             for request_id in request_ids:
                 if request_id in in_step and loads is not None:
                     self._block_errors.update(i for _, ids in loads[request_id].values()

@@ -88,6 +88,8 @@ class OffloadWorker(InStepLoadsOfWorker):
         self._outcomes: list[Outcome] = []
         self._failed_now: set[str] = set()  # loads that could not even start
         self._block_errors: set[int] = set()  # blocks of in-step loads that did not arrive
+        # This step's in-step blocks: all reported failed if the errors cannot be taken.
+        self.in_step_blocks: set[int] = set()
         self._stats = KVOffloadStats()
         self._loads_in_flight = 0  # requests wait for them: no yield (read without the lock)
         self._suspended = False  # vLLM's sleep mode unmapped engine memory: touch none of it
@@ -167,12 +169,17 @@ class OffloadWorker(InStepLoadsOfWorker):
         self._step = step
 
     def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = (),
-                    in_step: Collection[str] = ()) -> None:
+                    in_step: Collection[str] = (), failed_blocks: Collection[int] = ()
+                    ) -> None:
         """Start this step's loads; `failed`: loads the scheduler could not plan; `in_step`:
         loads to finish before returning (vLLM runs their requests in this step's forward:
-        see in_step_loads.py); their blocks that did not arrive go to `take_block_errors`."""
+        see in_step_loads.py); their blocks that did not arrive, and `failed_blocks` (of
+        in-step loads the scheduler could not plan), go to `take_block_errors`."""
         with self._lock:
             self._failed_now.update(failed)
+            self._block_errors.update(failed_blocks)
+            self.in_step_blocks = {i for r in in_step for _, ids in loads[r].values()
+                                   for i in ids} | set(failed_blocks)
             if self._suspended:  # (vLLM pauses before it sleeps: a recovery path)
                 self.fail_loads(loads, in_step, loads)
                 return

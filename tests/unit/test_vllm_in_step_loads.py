@@ -73,3 +73,32 @@ def test_models_with_several_groups_or_mamba_states_always_load_asynchronously()
     assert not two_groups.in_step.enabled
     mamba = vkv.MambaSpec(block_size=32, shapes=((3, 64),), dtypes=(ATTN["dtype"],))
     assert not scheduler(mamba, budget=1 << 30).in_step.enabled
+
+
+def test_an_in_step_hit_that_cannot_be_planned_is_reported_by_its_blocks_not_its_request():
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES)
+    make = request_factory()
+    request = make("r", 32 * 5 + 7)
+    report(sched, 0, keys(request, range(4)))
+    tokens, load_async, _ = sched.num_new_matched_tokens(request, 0)
+    assert (tokens, load_async) == (128, False)
+    sched.fail_load("r", [1, 2, 3, 4, 5, 6])  # (the connector's fallback: after_alloc failed)
+    meta = sched.build_meta(output())
+    # vLLM runs "r" in this step: a request-level failure would be a protocol error.
+    assert meta.failed_loads == [] and meta.in_step == [] and meta.failed_blocks == [1, 2, 3,
+                                                                                      4, 5, 6]
+    assert sched.build_meta(output()).failed_blocks == []  # once
+
+
+def test_the_worker_reports_unplanned_in_step_blocks_and_knows_this_steps_in_step_blocks():
+    from test_vllm_worker_side import Engine, make_worker
+
+    worker = make_worker(Engine())
+    try:
+        worker.start_loads({}, failed_blocks=[3, 4])
+        assert worker.in_step_blocks == {3, 4}
+        assert worker.take_block_errors() == {3, 4}
+        assert worker.take_block_errors() == set()
+        assert worker.finished_loads() == (set(), set())  # nothing by request
+    finally:
+        worker.shutdown()
