@@ -93,13 +93,22 @@ class ValkeyConnection:
                     f"failed (storage_options.tls_ca_file {self.config.tls_ca_file!r}, "
                     f"tls_cert_file {self.config.tls_cert_file!r}): {e}") from None
             return  # down: the first refresh opens an outage episode, settle() decides later
+        except ResponseError as e:  # (e.g. SELECT of a database on a cluster node)
+            if isinstance(e, ClusterError | TryAgainError):
+                return  # (between primaries: an outage, not a refusal)
+            self.close()
+            hint = (" (a Valkey Cluster has only database 0: drop the database number from "
+                    "storage_options.url)" if "cluster" in str(e) else "")
+            raise ConfigError(f"the Valkey server at {self.config.display_url} refused the "
+                              f"connection set-up: {e}{hint}") from None
         except SERVER_ERRORS:
             return
-        self._decide()
+        with contextlib.suppress(*SERVER_ERRORS):  # (stalled mid-check: settle() retries)
+            self._decide()
 
     def settle(self) -> None:
-        """If start-up could not tell whether the server is a cluster node, ask again (the
-        caller's Outage lets this through once the server answers)."""
+        """If start-up could not tell whether the server is a cluster node (or check the
+        commands), ask again (the caller's Outage lets this through once it answers)."""
         if not self.decided:
             try:
                 self._decide()
@@ -109,10 +118,10 @@ class ValkeyConnection:
     def _decide(self) -> None:
         with request_deadline(self.config.request_timeout_s):
             info = self._checked("INFO cluster", lambda: self.client.info("cluster"))
-        if int(info.get("cluster_enabled", 0)):
+        if int(info.get("cluster_enabled", 0)) and not self.cluster:
             self._become_cluster()
-        self.decided = True
         self._check_commands()
+        self.decided = True
 
     def _become_cluster(self) -> None:
         parts = urlsplit(self.config.url)
