@@ -162,3 +162,33 @@ def test_a_command_the_acl_refuses_is_a_clear_start_up_error(tmp_path, denied):
         path.chmod(0o600)
         with pytest.raises(ConfigError, match=f"refused {denied.upper()} to user 'bob'"):
             make_tier(server.url, username="bob", password_file=str(path))
+
+
+DOCUMENTED_ACL = ("~kv-offload:*", "+@read", "+@write", "+@keyspace", "+info", "+scan", "+ping",
+                  "+cluster|slots", "+command")  # (the README's, for a Cluster)
+
+
+@pytest.mark.parametrize("without", [None, "+command"])
+def test_an_acl_user_with_the_documented_rules_is_served_by_the_cluster_and_one_without_is_refused(
+        cluster, tmp_path, without):
+    user = unique_name("acl").replace(":", "")
+    for node in cluster.alive():  # (ACLs are per node)
+        with redis.Redis(host="127.0.0.1", port=node.port) as admin:
+            admin.execute_command("ACL", "SETUSER", user, "on", ">acl-password",
+                                  *(r for r in DOCUMENTED_ACL if r != without))
+    path = tmp_path / "password"
+    path.write_text("acl-password\n")
+    path.chmod(0o600)
+    options = {"username": user, "password_file": str(path)}
+    if without is not None:
+        with pytest.raises(ConfigError, match=f"refused user '{user}' a command the cluster "
+                                              f"client needs"):
+            make_tier(cluster.url, "kv-offload:", **options)
+        return
+    tier = make_tier(cluster.url, "kv-offload:", **options)
+    keys, data = keys_and_data(20, 7)
+    assert write(tier, keys, data).ok
+    out = [torch.empty(BLOCK, dtype=torch.uint8) for _ in keys]
+    assert read(tier, keys, out).ok and all(torch.equal(o, d) for o, d in zip(out, data))
+    tier.clear()
+    tier.close()

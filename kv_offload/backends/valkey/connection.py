@@ -146,9 +146,10 @@ class ValkeyConnection:
                     connection_pool_class=redis.BlockingConnectionPool,
                     **self._pool_options())
             except NoPermissionError as e:
-                raise ConfigError(f"the Valkey Cluster at {where} refused the topology "
-                                  f"query (CLUSTER SLOTS) to user "
-                                  f"{self._user()!r}: {e}") from None
+                raise ConfigError(f"the Valkey Cluster at {where} refused user "
+                                  f"{self._user()!r} a command the cluster client needs to "
+                                  f"learn the topology (its ACL must allow +cluster|slots "
+                                  f"+command): {e}") from None
         self.client.connection_pool.disconnect()
         self.client, self.cluster = cluster, True
 
