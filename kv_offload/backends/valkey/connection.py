@@ -103,8 +103,13 @@ class ValkeyConnection:
                               f"connection set-up: {e}{hint}") from None
         except SERVER_ERRORS:
             return
-        with contextlib.suppress(*SERVER_ERRORS):  # (stalled mid-check: settle() retries)
+        try:
             self._decide()
+        except SERVER_ERRORS:  # (stalled mid-check: settle() asks again)
+            pass
+        except ConfigError:
+            self.close()
+            raise
 
     def settle(self) -> None:
         """If start-up could not tell whether the server is a cluster node (or check the
