@@ -132,3 +132,27 @@ def test_tls_files_are_checked_at_start(tmp_path, pki):
     with pytest.raises(ConfigError, match="go together"):
         ValkeyTier.check_options({"url": "rediss://127.0.0.1:6380/0",
                                   "tls_cert_file": good.client_cert_file})
+
+
+def test_a_tls_cluster_is_reached_through_any_node_with_the_same_tls_options(pki):
+    from kv_offload.backends.valkey.local_cluster import LocalCluster, cli_binary
+
+    if cli_binary() is None:
+        pytest.skip("no redis-cli on PATH (apt-get install -y redis-server)")
+    good, other = pki
+    tls = ServerTls(good.server_cert_file, good.server_key_file, good.ca_file,
+                    good.client_cert_file, good.client_key_file)
+    with LocalCluster(tls=tls) as cluster:
+        tier = make_tier(cluster.nodes[-1].url, **client_options(good))
+        assert tier._conn.cluster and cluster.url.startswith("rediss://")
+        keys = [f"k{i}".encode() for i in range(30)]
+        data = [random_bytes(5000, i) for i in range(30)]
+        assert write(tier, keys, data).ok
+        out = [torch.empty(5000, dtype=torch.uint8) for _ in keys]
+        assert read(tier, keys, out).ok and all(torch.equal(o, d) for o, d in zip(out, data))
+        tier.refresh()
+        assert tier.lookup(keys) == [True] * 30
+        tier.close()
+        with pytest.raises(ConfigError, match="TLS"):
+            make_tier(cluster.url, connect_timeout_s=2.0, **client_options(other,
+                                                                           ca=good.ca_file))

@@ -19,7 +19,7 @@ import subprocess
 import time
 
 from kv_offload.backends.local_process import first_on_path
-from kv_offload.backends.valkey.local_server import LocalServer
+from kv_offload.backends.valkey.local_server import LocalServer, ServerTls
 
 CLIS = ("valkey-cli", "redis-cli")
 BUS_OFFSET = 10000  # the cluster bus listens on port + 10000
@@ -53,12 +53,14 @@ class LocalCluster:
 
     def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
                  maxmemory: str = "64mb", extra_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, tls: ServerTls | None = None) -> None:
         cli = cli_binary()
         if cli is None:
             raise FileNotFoundError(f"none of {CLIS} is on PATH (Debian: apt-get install -y "
                                     f"redis-server, which brings redis-cli)")
         self.nodes: list[LocalServer] = []
+        self.tls = tls  # (TLS between nodes too: --tls-cluster, --tls-replication)
+        tls_args = ("--tls-cluster", "yes", "--tls-replication", "yes") if tls else ()
         try:
             taken: set[int] = set()
             for _ in range(primaries * (1 + replicas)):
@@ -68,9 +70,10 @@ class LocalCluster:
                     maxmemory=maxmemory, port=port,
                     extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
                                 "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
-                                *extra_args)))
+                                *tls_args, *extra_args), tls=tls))
             create = subprocess.run(
-                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                [cli, *self._cli_tls(), "--cluster", "create",
+                 *(f"127.0.0.1:{n.port}" for n in self.nodes),
                  "--cluster-replicas", str(replicas), "--cluster-yes"],
                 capture_output=True, text=True, timeout=start_timeout_s)
             if create.returncode != 0:
@@ -86,13 +89,22 @@ class LocalCluster:
         """The URL of one node (any node will do: the client discovers the others)."""
         return self.nodes[0].url
 
+    def _cli_tls(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return ["--tls", "--cacert", self.tls.ca_file, "--cert", self.tls.client_cert_file,
+                "--key", self.tls.client_key_file]
+
     def alive(self) -> list[LocalServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     def client(self, node: LocalServer):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2)
+        tls = ({} if self.tls is None else {
+            "ssl": True, "ssl_ca_certs": self.tls.ca_file,
+            "ssl_certfile": self.tls.client_cert_file, "ssl_keyfile": self.tls.client_key_file})
+        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2, **tls)
 
     def primary_of(self, name: bytes) -> LocalServer:
         """The node that serves ``name``'s slot now."""
