@@ -192,3 +192,24 @@ def test_an_acl_user_with_the_documented_rules_is_served_by_the_cluster_and_one_
     assert read(tier, keys, out).ok and all(torch.equal(o, d) for o, d in zip(out, data))
     tier.clear()
     tier.close()
+
+
+def test_a_node_down_at_start_is_found_to_be_a_cluster_node_once_it_answers(cluster):
+    replica = next(n for n in cluster.alive() if n not in cluster.primaries())
+    replica.kill()
+    try:
+        tier = make_tier(replica.url, retry_interval_s=0.1)  # (down: misses, not an error)
+        assert not tier._conn.decided
+    finally:
+        replica.start()  # (its nodes.conf brings it back into the cluster)
+    cluster.wait_until_ready(30)
+    deadline = time.monotonic() + 10
+    while not tier._conn.decided and time.monotonic() < deadline:
+        time.sleep(0.15)
+        tier.refresh()
+    assert tier._conn.cluster
+    keys, data = keys_and_data(20, 8)
+    assert write(tier, keys, data).ok
+    out = [torch.empty(BLOCK, dtype=torch.uint8) for _ in keys]
+    assert read(tier, keys, out).ok and all(torch.equal(o, d) for o, d in zip(out, data))
+    tier.close()
