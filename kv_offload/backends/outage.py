@@ -91,3 +91,33 @@ class Outage:
             skipped = self.skipped - self._skipped_at_start
         self._logger.info("kv-offload: %s answers again after %.1f s (%d calls failed fast "
                           "meanwhile)", self.what, lasted, skipped)
+
+
+class Outages:
+    """One ``Outage`` per server of a store made of several (a Valkey Cluster's primaries):
+    jobs on a dead node fail fast while the others are served. Thread-safe."""
+
+    def __init__(self, what: str, retry_interval_s: float, logger: logging.Logger) -> None:
+        self._what = what  # e.g. "Valkey cluster at redis://host:port/0"
+        self._retry_interval_s = retry_interval_s
+        self._logger = logger
+        self._lock = threading.Lock()
+        self._by_node: dict[str, Outage] = {}
+
+    def of(self, node: str, label: str | None = None) -> Outage:
+        """The Outage of ``node`` (made on first use; ``label`` names it in log lines)."""
+        found = self._by_node.get(node)
+        if found is None:
+            with self._lock:
+                found = self._by_node.setdefault(node, Outage(
+                    label or f"{self._what} node {node}", self._retry_interval_s,
+                    self._logger))
+        return found
+
+    @property
+    def episodes(self) -> int:
+        return sum(o.episodes for o in list(self._by_node.values()))
+
+    @property
+    def skipped(self) -> int:
+        return sum(o.skipped for o in list(self._by_node.values()))

@@ -39,7 +39,7 @@ TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes")
 HONOURED: dict[str, tuple[str, ...]] = {
     "cpu": ("model", "layers", "layout", "pattern"),
     "filesystem": TIER_FLAGS,
-    "valkey": (*TIER_FLAGS, "url"),
+    "valkey": (*TIER_FLAGS, "url", "cluster"),
     "s3": (*TIER_FLAGS, "endpoint_url", "bucket"),
     "module:Class": ("fs_root", "total_mib", "tier_options"),
 }
@@ -85,6 +85,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                             "filesystem 8; valkey/s3 1 4 8)")
     tiers.add_argument("--url", default=None,
                        help="valkey: redis://HOST:PORT/DB (default: a loopback server)")
+    tiers.add_argument("--cluster", type=int, default=None, metavar="PRIMARIES",
+                       help="valkey: a loopback Cluster of this many primaries, one replica "
+                            "each, instead of one server (not with --url)")
     tiers.add_argument("--endpoint-url", default=None,
                        help="s3: the endpoint (default: moto on loopback)")
     tiers.add_argument("--bucket", default=None, help="s3: an existing bucket")
@@ -119,7 +122,10 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
                 f"--{name.replace('_', '-')} does not apply to --backend {args.backend} "
                 f"(only to {', '.join(users)}); this backend honours: "
                 f"{', '.join('--' + f.replace('_', '-') for f in (*COMMON, *HONOURED[kind]))}")
-    for name in ("repeats", "batch_mib", "total_mib", "layers"):
+    if getattr(args, "cluster", None) is not None and getattr(args, "url", None) is not None:
+        raise BenchArgumentError("--cluster starts a loopback cluster; --url names a server: "
+                                 "give one of them (a --url of any cluster node works too)")
+    for name in ("repeats", "batch_mib", "total_mib", "layers", "cluster"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise BenchArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")

@@ -3,6 +3,7 @@
 
     kv-offload bench --backend valkey   # a loopback redis-server/valkey-server is started
     kv-offload bench --backend valkey --url redis://HOST:6379/0
+    kv-offload bench --backend valkey --cluster 3   # a loopback cluster, 3 primaries
     kv-offload bench --backend s3       # moto's server on loopback: NOT a performance reference
     kv-offload bench --backend s3 --endpoint-url http://minio:9000 --bucket kv-bench
     kv-offload bench --backend mypkg.tier:MyTier --tier-options '{"max_bytes": 1073741824}'
@@ -108,15 +109,21 @@ def run_shared_store_bench(args: argparse.Namespace) -> dict:
             note=note, raw=raw)
 
 
-def fill_until_evicting(url: str, value_bytes: int = 16 * MIB) -> None:
-    """Write filler values until the server starts evicting (its memory is then all in use)."""
+def fill_until_evicting(url: str, value_bytes: int = 16 * MIB, cluster: bool = False) -> None:
+    """Write filler values until the server starts evicting (its memory is then all in use;
+    a cluster: until every primary has evicted)."""
     import redis
+    from redis.cluster import RedisCluster
 
-    client = redis.Redis.from_url(url)
+    client = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     filler = bytes(value_bytes)
     for i in itertools.count():
         client.set(f"kv-offload-bench-fill:{i}", filler)
-        if client.info("stats")["evicted_keys"] > 0:
+        if cluster:
+            if i % 8 == 0 and all(s["evicted_keys"] > 0 for s in client.info(
+                    "stats", target_nodes=RedisCluster.PRIMARIES).values()):
+                return
+        elif client.info("stats")["evicted_keys"] > 0:
             return
 
 
@@ -127,10 +134,11 @@ def _server_alone(make) -> list[RawMeasure]:
     binary = benchmark_binary()
     if binary is None:
         return []
-    port = make.server.port
+    port, cluster = make.server.port, make.cluster
 
     def run(cell: RawCell) -> tuple[float, float]:
-        return server_alone_gbps(binary, port, cell.value_bytes, cell.connections, cell.values)
+        return server_alone_gbps(binary, port, cell.value_bytes, cell.connections, cell.values,
+                                 cluster=cluster)
     return [RawMeasure(os.path.basename(binary), run)]
 
 
@@ -138,16 +146,30 @@ def _valkey_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str
     from kv_offload.backends.valkey import ValkeyTier
 
     url, note, server = args.url, f"server {args.url}", None
+    primaries = getattr(args, "cluster", None)
     if url is None:
+        from kv_offload.backends.valkey.local_cluster import LocalCluster
         from kv_offload.backends.valkey.local_server import LocalServer
 
         # Room for four cells; filled first, so the benchmark runs on a full, warm cache
         # that evicts (LRU) as a server in service does.
         total_mib = args.total_mib or DEFAULT_TOTAL_MIB
-        server = stack.enter_context(LocalServer(maxmemory=f"{int(4 * total_mib) + 1}mb"))
-        fill_until_evicting(server.url)
+        if primaries:  # (each primary holds its share of the keys; at least 32 MB: a
+            # cluster node's own buffers take a few, and a filler value is 16 MiB)
+            per_node = max(32, int(4 * total_mib / primaries) + 1)
+            cluster = stack.enter_context(LocalCluster(primaries=primaries,
+                                                       maxmemory=f"{per_node}mb"))
+            server = cluster.nodes[0]
+        else:
+            per_node = int(4 * total_mib) + 1
+            server = stack.enter_context(LocalServer(maxmemory=f"{per_node}mb"))
+        # (a filler value, with the query buffer that receives it, must fit a node's memory)
+        fill_until_evicting(server.url, min(16 * MIB, per_node * MIB // 8),
+                            cluster=bool(primaries))
         url = server.url
-        note = f"local {os.path.basename(server.binary)} on loopback, full and evicting"
+        note = (f"local {os.path.basename(server.binary)} on loopback, full and evicting"
+                + (f": a cluster of {primaries} primaries + {primaries} replicas"
+                   if primaries else ""))
 
     def make(conns: int, workdir: str, codec: RecordCodec = CHECKSUM) -> StorageTier:
         return ValkeyTier.from_options({"url": url, "connections": conns,
@@ -155,6 +177,7 @@ def _valkey_factory(args, stack: contextlib.ExitStack) -> tuple[TierFactory, str
                                         "timeout_s": 30.0, "refresh_interval_s": 0}, LAYOUT,
                                        codec=codec)
     make.server = server  # (the raw baseline runs on the same server)
+    make.cluster = bool(primaries)
     return make, note
 
 

@@ -24,12 +24,14 @@ def benchmark_binary() -> str | None:
 
 
 def server_alone_gbps(binary: str, port: int, value_bytes: int, conns: int,
-                      count: int) -> tuple[float, float]:
-    """(SET GB/s, GET GB/s) of ``count`` values of ``value_bytes`` over ``conns`` clients."""
+                      count: int, cluster: bool = False) -> tuple[float, float]:
+    """(SET GB/s, GET GB/s) of ``count`` values of ``value_bytes`` over ``conns`` clients
+    (``cluster``: ``--cluster``, the clients spread over every primary)."""
     requests = max(count, 4 * conns)
     out = subprocess.run(
         [binary, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value_bytes),
-         "-n", str(requests), "-c", str(conns), "-r", str(count)],
+         "-n", str(requests), "-c", str(conns), "-r", str(count),
+         *(["--cluster"] if cluster else [])],
         capture_output=True, text=True, timeout=600, check=True).stdout
     rates = {op: float(rate) for op, rate in _SUMMARY.findall(out.replace("\r", "\n"))}
     if set(rates) != {"SET", "GET"}:

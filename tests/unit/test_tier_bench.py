@@ -48,6 +48,24 @@ def test_cli_bench_runs_every_cell_against_the_filesystem_tier(backend, request,
     assert "filesystem" in table and backend in table and "mismatches: 0" in table
 
 
+def test_cli_bench_runs_against_a_loopback_cluster_with_redis_benchmark_beside_it(tmp_path):
+    pytest.importorskip("redis")
+    from kv_offload.backends.valkey.local_cluster import cli_binary
+    from kv_offload.tools.bench_valkey_server import benchmark_binary
+
+    if cli_binary() is None or benchmark_binary() is None:
+        pytest.skip("no redis-cli / redis-benchmark on PATH (apt-get install -y redis-server)")
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--backend", "valkey", "--cluster", "3", "--page-kib", "256",
+                 "--connections", "2", "--total-mib", "2", "--repeats", "1",
+                 "--fs-root", str(tmp_path / "fs"), "--json", str(out)])
+    result = json.loads(out.read_text())["results"]
+    assert code == 0 and result["mismatches"] == 0 and result["failed_keys"] == 0
+    tiers = {c["tier"] for c in result["cells"]}
+    assert {"valkey", "filesystem"} <= tiers and any("benchmark" in t for t in tiers)
+    assert all(c["store_gbps"] > 0 and c["load_gbps"] > 0 for c in result["cells"])
+
+
 class _FlipsAByteOnRead(DictTier):
     """A real tier that serves one wrong byte per read."""
 

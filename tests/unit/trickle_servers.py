@@ -17,6 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socketserver import StreamRequestHandler, ThreadingTCPServer
 
 READS = {b"STRLEN", b"GETRANGE", b"GET"}
+# The Valkey tier's start-up check reads a key that does not exist: answered at once, as a
+# real server would (only values trickle).
+ABSENT = b"access-check"
 LISTING = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
            b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name><Prefix></Prefix>'
            b"<KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>"
@@ -64,6 +67,10 @@ class TrickleRespServer:
             def handle(self) -> None:
                 while (args := _read_command(self.rfile)) is not None:
                     name = args[0].upper()
+                    if name in READS and args[1].endswith(ABSENT):
+                        self.wfile.write(_absent(name))  # (no value: nothing to trickle)
+                        self.wfile.flush()
+                        continue
                     if name in READS:
                         self.wfile.write(b"$100000\r\n")
                         trickle.drip(self.wfile)
@@ -88,6 +95,10 @@ class TrickleRespServer:
         self.trickle.stop.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+def _absent(name: bytes) -> bytes:
+    return {b"STRLEN": b":0\r\n", b"GETRANGE": b"$0\r\n\r\n"}.get(name, b"_\r\n")
 
 
 def _reply(name: bytes) -> bytes:

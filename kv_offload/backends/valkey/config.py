@@ -6,6 +6,12 @@ goes in a file named by ``password_file`` (readable by its owner only, like an S
 when the tier connects and kept only in the client's connection settings: never in this
 config, its repr, an error message or a log line. ``username`` names an ACL user (Valkey and
 Redis 6+); without it the password is the server's ``requirepass``.
+
+TLS (``rediss://``): ``tls_ca_file`` names the CA that signed the server's certificate (the
+server's name or IP in the URL must match it), ``tls_cert_file`` + ``tls_key_file`` this
+client's certificate for servers that ask for one (``tls-auth-clients yes``). The files are
+checked at start-up (present, regular, readable) and then read by the TLS library only: their
+content is never in this config, an error message or a log line.
 """
 
 from __future__ import annotations
@@ -53,6 +59,13 @@ class ValkeyTierConfig:
                                                              "(mode 0600 or stricter)")
     username: str | None = option("optional_str", None, "the ACL user (None: the default "
                                                         "user, or requirepass)")
+    tls_ca_file: str | None = option("optional_str", None, "rediss:// only: the CA "
+                                     "certificate(s), PEM, that signed the server's "
+                                     "certificate (None: the system's CAs)")
+    tls_cert_file: str | None = option("optional_str", None, "rediss:// only: this client's "
+                                       "certificate, PEM (servers with tls-auth-clients)")
+    tls_key_file: str | None = option("optional_str", None, "rediss:// only: the private key "
+                                      "of tls_cert_file, PEM")
 
     def __post_init__(self) -> None:
         check_remote_bounds(self)
@@ -78,10 +91,34 @@ class ValkeyTierConfig:
                               "both name the ACL user; give only one")
         if self.password_file is not None:
             read_password(self.password_file)  # (at start-up: missing, unreadable, too open)
+        self._check_tls(parts.scheme)
         db = parts.path.strip("/")
         if parts.scheme != "unix" and db and not db.isdigit():
             raise ConfigError(f"storage_options.url: the database must be a number, got "
                               f"{db!r} in {self.url!r}")
+
+    def _check_tls(self, scheme: str) -> None:
+        files = {"tls_ca_file": self.tls_ca_file, "tls_cert_file": self.tls_cert_file,
+                 "tls_key_file": self.tls_key_file}
+        given = [name for name, path in files.items() if path is not None]
+        if given and scheme != "rediss":
+            raise ConfigError(f"storage_options.{given[0]} is for TLS connections: the url "
+                              f"must start with rediss://, got {self.display_url!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("storage_options.tls_cert_file and storage_options.tls_key_file "
+                              "go together (a client certificate and its private key)")
+        for name in given:
+            check_readable_file(f"storage_options.{name}", files[name])
+
+    def tls(self) -> dict[str, str]:
+        """redis-py's ``ssl_*`` arguments for the TLS files given (empty without TLS)."""
+        found = {}
+        if self.tls_ca_file is not None:
+            found["ssl_ca_certs"] = self.tls_ca_file
+        if self.tls_cert_file is not None:
+            found["ssl_certfile"] = self.tls_cert_file
+            found["ssl_keyfile"] = self.tls_key_file
+        return found
 
     @property
     def display_url(self) -> str:
@@ -100,6 +137,20 @@ class ValkeyTierConfig:
         if self.password_file is not None:
             found["password"] = read_password(self.password_file)
         return found
+
+
+def check_readable_file(what: str, path: str) -> None:
+    """Raise ``ConfigError`` (naming ``what`` and the path, never the content) unless
+    ``path`` is a regular file this process can read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{what} {path!r} cannot be opened: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{what} {path!r} is not a regular file")
+    finally:
+        os.close(fd)
 
 
 def read_password(path: str) -> str:

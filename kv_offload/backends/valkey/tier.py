@@ -22,8 +22,15 @@
   One log line per episode. A whole request (a batch, a SCAN page) is bounded by
   ``request_timeout_s`` however slowly the server sends (deadline.py); ``close`` waits at
   most about that long for the I/O threads.
-- Credentials: ``username`` and ``password_file`` (config.py); a server that refuses them
-  is a ``ConfigError`` at start, not an outage.
+- Credentials: ``username`` and ``password_file``, TLS files (config.py); a server that
+  refuses them, or an ACL that refuses a command the tier needs, is a ``ConfigError`` at
+  start, not an outage (connection.py).
+- Cluster: a URL naming any node of a Valkey/Redis Cluster gives redis-py's cluster client
+  (connection.py). Jobs are split per primary (by key slot) and each batch is one pipeline
+  to one node, with an ``Outage`` per node: jobs on a dead primary fail fast as misses
+  while the others are served, and once a replica has taken over (redis-py re-reads the
+  slot table after the failure), its keys go to the new primary. The background SCAN
+  walks every primary; a scan that missed a primary only adopts keys, drops none.
 
 Values go out as header + host buffer straight to the socket (packer.py: no joined copy).
 Replies are parsed by hiredis when it is installed.
@@ -31,15 +38,11 @@ Replies are parsed by hiredis when it is installed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
@@ -50,26 +53,30 @@ from kv_offload.backends.base import (
     check_tier_keys,
     check_tier_request,
 )
-from kv_offload.backends.deadline import deadline_connection_class, request_deadline
+from kv_offload.backends.deadline import request_deadline
 from kv_offload.backends.filesystem.io_engine import host_view
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
-from kv_offload.backends.outage import Outage
+from kv_offload.backends.outage import Outages
 from kv_offload.backends.record import (
     CHECKSUM,
     NETWORK_ALIGN,
     RecordCodec,
     build_header,
     pack,
-    unpack_into,
 )
 from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.server_keys import ServerKeys
-from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.backends.valkey.config import ValkeyTierConfig
+from kv_offload.backends.valkey.connection import (
+    SERVER_ERRORS,
+    SINGLE,
+    ValkeyConnection,
+    raise_server_error,
+)
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
-from kv_offload.errors import ConfigError
+from kv_offload.backends.valkey.reads import ValkeyReads
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +84,7 @@ logger = logging.getLogger(__name__)
 # reallocation, which cost 2x the client CPU per GB with four 4 MiB values per pipeline
 # against one (measured on loopback). Small values still share a round trip.
 READ_BATCH_BYTES = 1 << 20
-# Errors that say the server is unreachable or stalled (not that one command was refused).
-SERVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
 
 
 class ValkeyTier(StorageTier):
@@ -89,30 +95,25 @@ class ValkeyTier(StorageTier):
         self._namespace = f"{config.key_prefix}{config.codec.namespace(config.layout_fingerprint)}:"
         self._prefix = self._namespace.encode()
         self._packer = split_value_packer()
-        pool = redis.BlockingConnectionPool.from_url(
-            config.url,
-            max_connections=config.connections + 2,  # + the refresh thread, + clear()
-            timeout=config.timeout_s,  # waiting for a free connection is bounded too
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # fail fast: a retry would double every wait
-            health_check_interval=0,
-            command_packer=self._packer,
-            connection_class=deadline_connection_class(config.url),
-            **config.credentials(),  # (never logged: straight into the client)
-        )
-        self._redis = redis.Redis(connection_pool=pool)
+        self._conn = ValkeyConnection(config, self._packer, self._prefix)
         self._book = JobBook("ValkeyTier", logger)
-        self._outage = Outage(f"Valkey server {config.display_url}", config.retry_interval_s,
-                              logger)
+        self._outages = Outages(f"Valkey cluster at {config.display_url}",
+                                config.retry_interval_s, logger)
+        self._outages.of(SINGLE, f"Valkey server {config.display_url}")
         self._view = ServerKeys()
         self._rejections = Rejections(f"kv-offload Valkey tier {config.display_url}")
+        self._reads = ValkeyReads(config, self._conn, self._book, self._view, self._rejections,
+                                  self._name)
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io",
                                       initializer=join_our_cpus)
         self._refresher = Refresher(self.refresh, config.refresh_interval_s,
                                     name="kv-valkey-refresh", what=self.config.display_url)
-        self._check_credentials()
+        try:
+            self._conn.open()  # ConfigError: refused credentials, TLS, ACL, cluster URL
+        except BaseException:
+            self._io.shutdown(wait=False)
+            raise
         self.refresh()  # the keys already there, before the first lookup (bounded by timeouts)
         self._refresher.start()
 
@@ -126,6 +127,12 @@ class ValkeyTier(StorageTier):
         return cls(parse_options(ValkeyTierConfig, options, tier="valkey",
                                  layout_fingerprint=layout_fingerprint, codec=codec))
 
+    @property
+    def _redis(self):
+        """The redis-py client now (a single-server client becomes a cluster client once
+        the server says it is a cluster node)."""
+        return self._conn.client
+
     # -- the StorageTier interface -------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
@@ -138,7 +145,7 @@ class ValkeyTier(StorageTier):
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
         check_tier_request(keys, buffers)
-        return self._submit(keys, buffers, self._read_batch, max_batch=READ_BATCH_BYTES)
+        return self._submit(keys, buffers, self._reads.read_batch, max_batch=READ_BATCH_BYTES)
 
     def poll(self) -> list[TierJobResult]:
         return self._book.poll()
@@ -150,7 +157,7 @@ class ValkeyTier(StorageTier):
             return
         self._refresher.stop(timeout_s=self.config.request_timeout_s + self.config.timeout_s)
         self._io.shutdown(wait=True)
-        self._redis.connection_pool.disconnect()
+        self._conn.close()
 
     # -- optional hooks --------------------------------------------------------------------
 
@@ -165,14 +172,13 @@ class ValkeyTier(StorageTier):
         forget them. A server that cannot be reached keeps them: logged, counted."""
         self._view.clear()
         try:
-            batch = []
-            for name in self._redis.scan_iter(match=self._match(), count=self.config.scan_count):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    self._redis.unlink(*batch)
-                    batch.clear()
-            if batch:
-                self._redis.unlink(*batch)
+            for node in self._conn.primaries():
+                cursor = None
+                while cursor != 0:
+                    cursor, names = self._conn.scan_page(node, cursor or 0, self._match(),
+                                                         self.config.scan_count)
+                    if names:  # (the cluster client splits a multi-key UNLINK by slot)
+                        self._redis.unlink(*names)
         except SERVER_ERRORS as e:
             self._book.count("clear_failed")
             self._book.note("clear", "could not delete the keys of %s on %s: %s",
@@ -186,7 +192,7 @@ class ValkeyTier(StorageTier):
         last refresh: the server, not this tier, decides what it evicts)."""
         used, budget = self._server_memory
         counts = self._book.counts()
-        counts["outages"], counts["failed_fast"] = self._outage.episodes, self._outage.skipped
+        counts["outages"], counts["failed_fast"] = self._outages.episodes, self._outages.skipped
         return TierStats(keys=len(self._view), bytes_used=used, bytes_budget=budget,
                          counts=counts)
 
@@ -206,52 +212,54 @@ class ValkeyTier(StorageTier):
         return True
 
     def refresh(self) -> None:
-        """SCAN the server now: adopt keys others wrote, drop keys it no longer holds."""
-        if not self._outage.should_try():
-            return
-        generation = self._view.begin_scan()
-        found = []
-        try:
-            cursor = None
-            while cursor != 0:
-                if self._refresher.stopping.is_set():
-                    return  # closing: an unfinished scan must not drop anything
+        """SCAN every server now (each primary of a cluster): adopt keys others wrote, drop
+        keys they no longer hold."""
+        if not self._conn.decided:  # (unreachable at start: is it a cluster node?)
+            if not self._outages.of(SINGLE).should_try():
+                return
+            try:
                 with request_deadline(self.config.request_timeout_s):
-                    cursor, names = self._redis.scan(cursor or 0, match=self._match(),
-                                                     count=self.config.scan_count)
-                found += [key for key in map(self._key_of, names) if key is not None]
-            with request_deadline(self.config.request_timeout_s):
-                memory = self._redis.info("memory")
-            self._outage.succeeded()
-        except SERVER_ERRORS as e:
-            self._outage.failed(e)
+                    self._conn.settle()
+            except SERVER_ERRORS as e:
+                self._outages.of(SINGLE).failed(e)
+                self._book.count("refresh_failed")
+                return
+        generation = self._view.begin_scan()
+        found: list[bytes] = []
+        complete = True
+        for node in self._conn.primaries():
+            outage = self._outages.of(node.name if node is not None else SINGLE)
+            if not outage.should_try():
+                complete = False
+                continue
+            try:
+                cursor = None
+                while cursor != 0:
+                    if self._refresher.stopping.is_set():
+                        return  # closing: an unfinished scan must not drop anything
+                    with request_deadline(self.config.request_timeout_s):
+                        cursor, names = self._conn.scan_page(node, cursor or 0, self._match(),
+                                                             self.config.scan_count)
+                    found += [key for key in map(self._key_of, names) if key is not None]
+                outage.succeeded()
+            except SERVER_ERRORS as e:
+                outage.failed(e)
+                complete = False
+        if not complete:  # a primary not scanned: its keys are not known gone
             self._book.count("refresh_failed")
+            self._view.add(found)
             return
-        self._server_memory = (int(memory.get("used_memory", 0)),
-                               int(memory.get("maxmemory", 0)))
+        try:
+            with request_deadline(self.config.request_timeout_s):
+                self._server_memory = self._conn.memory()
+        except SERVER_ERRORS:
+            pass  # (the memory figures are for stats only: keep the last ones)
         added, dropped = self._view.merge_scan(found, generation)
         self._book.count("refreshes")
         self._book.count("keys_adopted", n=added)
         self._book.count("keys_vanished", n=dropped)
 
     # -- internals -------------------------------------------------------------------------
-
-    def _check_credentials(self) -> None:
-        """A server that refuses our credentials (or wants some) is a start-up error: every
-        later call would fail the same way. Unreachable is not: that is an outage."""
-        try:
-            with request_deadline(self.config.request_timeout_s):
-                self._redis.ping()
-        except redis.AuthenticationError as e:  # (WRONGPASS, NOAUTH; holds no password)
-            self._io.shutdown(wait=False)
-            self._redis.connection_pool.disconnect()
-            raise ConfigError(
-                f"the Valkey server at {self.config.display_url} refused the credentials "
-                f"(username {self.config.credentials().get('username', 'default')!r}, "
-                f"password from storage_options.password_file "
-                f"{self.config.password_file!r}): {e}") from None
-        except SERVER_ERRORS:
-            pass  # down or stalled: the first refresh opens an outage episode
 
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -271,46 +279,58 @@ class ValkeyTier(StorageTier):
 
     def _submit(self, keys, buffers, run_batch, max_batch: int | None = None) -> int:
         job = self._book.new_job(keys)
-        items = list(enumerate(zip(keys, buffers)))
+        # One group per server (a cluster's primary, by key slot): a batch is one pipeline
+        # to one node, and a dead node fails only its own batches.
+        by_node: dict[str, list] = {}
+        for item in enumerate(zip(keys, buffers)):
+            by_node.setdefault(self._conn.node_of(self._name(item[1][0])), []).append(item)
         # Spread the job over the connections, each batch at most batch_bytes of values
         # (and max_batch); a key larger than that is a batch of its own.
         total = sum(buf.numel() for buf in buffers)
         cap = min(self.config.batch_bytes, -(-total // self.config.connections),
                   max_batch or total)
-        batch, size = [], 0
-        for item in items:
-            batch.append(item)
-            size += item[1][1].numel()
-            if size >= cap:
-                self._book.start(self._io, self._within_deadline, run_batch, job, batch)
-                batch, size = [], 0
-        if batch:
-            self._book.start(self._io, self._within_deadline, run_batch, job, batch)
+        for node, items in by_node.items():
+            batch, size = [], 0
+            for item in items:
+                batch.append(item)
+                size += item[1][1].numel()
+                if size >= cap:
+                    self._book.start(self._io, self._within_deadline, run_batch, job, node,
+                                     batch)
+                    batch, size = [], 0
+            if batch:
+                self._book.start(self._io, self._within_deadline, run_batch, job, node, batch)
         return job.job_id
 
-    def _within_deadline(self, run_batch, job: Job, batch: list) -> None:
+    def _within_deadline(self, run_batch, job: Job, node: str, batch: list) -> None:
         """One batch's round trips, together bounded by ``request_timeout_s``."""
         with request_deadline(self.config.request_timeout_s):
-            run_batch(job, batch)
+            run_batch(job, self._outages.of(node), batch)
 
-    def _write_batch(self, job: Job, batch: list) -> None:
+    def _write_batch(self, job: Job, outage, batch: list) -> None:
         done: list[int] = []
         try:
-            if not self._outage.should_try():
+            if not outage.should_try():
                 self._book.count("write_failed", "write_failed_unreachable", n=len(batch))
                 return
             names = [self._name(key) for _, (key, _) in batch]
             pipe = self._redis.pipeline(transaction=False)
             for name in names:
                 pipe.exists(name)
-            present = pipe.execute()
+            present = pipe.execute(raise_on_error=False)
+            raise_server_error(present)
+            refused = next((r for r in present if isinstance(r, Exception)), None)
+            if refused is not None:
+                raise refused
             todo = [(item, name) for item, name, held in zip(batch, names, present) if not held]
             done += [i for (i, _), held in zip(batch, present) if held]
             self._book.count("write_skipped_present", n=len(done))
             pipe = self._redis.pipeline(transaction=False)
             for (_, (key, buf)), name in todo:
                 pipe.set(name, self._encode(key, buf), nx=True)
-            for ((i, (_, buf)), _), result in zip(todo, pipe.execute(raise_on_error=False)):
+            results = pipe.execute(raise_on_error=False)
+            raise_server_error(results)
+            for ((i, (_, buf)), _), result in zip(todo, results):
                 if isinstance(result, Exception):  # e.g. OOM under maxmemory noeviction
                     self._book.count("write_failed", "write_failed_refused")
                     self._book.note("write-refused", "%s refused a write: %s",
@@ -319,44 +339,13 @@ class ValkeyTier(StorageTier):
                     done.append(i)
                     self._book.count("write_ok")
                     self._book.count("bytes_written", n=buf.numel())
-            self._outage.succeeded()
+            outage.succeeded()
         except SERVER_ERRORS as e:
-            self._outage.failed(e)
+            outage.failed(e)
             self._book.count("write_failed", "write_failed_unreachable", n=len(batch) - len(done))
         except Exception:
             self._book.count("write_failed", "write_failed_bug", n=len(batch) - len(done))
             logger.exception("kv-offload: unexpected error writing to %s", self.config.display_url)
-        finally:
-            ok = set(done)
-            self._view.add(key for i, (key, _) in batch if i in ok)
-            self._book.finish(job, done, True)
-            self._book.finish(job, [i for i, _ in batch if i not in ok], False)
-
-    def _read_batch(self, job: Job, batch: list) -> None:
-        done: list[int] = []
-        try:
-            if not self._outage.should_try():
-                self._book.count("read_failed", "read_failed_unreachable", n=len(batch))
-                return
-            pipe = self._redis.pipeline(transaction=False)
-            fingerprint = self.config.layout_fingerprint
-            for _, (key, buf) in batch:  # the size, and at most the bytes we expect
-                name = self._name(key)
-                pipe.strlen(name)
-                pipe.getrange(name, 0, expected_bytes(key, fingerprint, buf.numel(),
-                                                        self.config.codec) - 1)
-            replies = pipe.execute(raise_on_error=False)
-            self._outage.succeeded()
-            for (i, (key, buf)), held, value in zip(batch, replies[::2], replies[1::2]):
-                if self._fill(key, held, value, buf):
-                    done.append(i)
-        except SERVER_ERRORS as e:
-            self._outage.failed(e)
-            self._book.count("read_failed", "read_failed_unreachable", n=len(batch) - len(done))
-        except Exception:
-            self._book.count("read_failed", "read_failed_bug", n=len(batch) - len(done))
-            logger.exception("kv-offload: unexpected error reading from %s",
-                             self.config.display_url)
         finally:
             ok = set(done)
             self._view.add(key for i, (key, _) in batch if i in ok)
@@ -372,44 +361,3 @@ class ValkeyTier(StorageTier):
         header = build_header(key, fingerprint, len(data), codec.seal(key, fingerprint, data),
                               align=NETWORK_ALIGN, codec=codec)
         return SplitValue(header, data)
-
-    def _fill(self, key: bytes, held, value, buf: torch.Tensor) -> bool:
-        """Check one STRLEN + GETRANGE reply and copy its data into ``buf``; False (and why,
-        counted) if it cannot be served."""
-        refused = next((r for r in (held, value) if isinstance(r, Exception)), None)
-        if refused is not None:  # e.g. WRONGTYPE: not a string
-            self._book.count("read_failed", "read_failed_refused")
-            self._book.note("read-refused", "%s refused a read: %s", self.config.display_url,
-                            refused)
-            return False
-        if not held:  # evicted by the server, or deleted by another process
-            self._view.discard([key])
-            self._book.count("read_failed", "read_failed_absent")
-            return False
-        fingerprint, codec = self.config.layout_fingerprint, self.config.codec
-        if held != expected_bytes(key, fingerprint, buf.numel(), codec):  # only its start read
-            got = judge_wrong_size(value, held, key, fingerprint, buf.numel(), codec)
-        else:
-            got = unpack_into(value, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
-                              codec=codec)
-        if got.bad is not None:
-            return self._discard(key, got.bad)
-        if not got.ok:  # an intact value of another size: the caller's buffer is wrong
-            self._book.count("read_failed", "read_failed_buffer_size")
-            self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has %d; "
-                            "not served", key.hex(), got.held_bytes, buf.numel())
-            return False
-        self._rejections.verified()
-        self._book.count("read_ok")
-        self._book.count("bytes_read", n=buf.numel())
-        return True
-
-    def _discard(self, key: bytes, reason: str) -> bool:
-        """A value that is not ours to serve: delete it (a later write replaces it), forget
-        the key, report a miss."""
-        self._view.discard([key])
-        self._book.count("read_failed", "bad_values_removed", "rejected_records")
-        self._rejections.rejected(key, f"on {self.config.display_url}: {reason}")
-        with contextlib.suppress(*SERVER_ERRORS):  # if not, the next read finds it bad again
-            self._redis.unlink(self._name(key))
-        return False

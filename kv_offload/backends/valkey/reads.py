@@ -1,0 +1,124 @@
+"""The Valkey tier's read path: bounded reads, each reply checked before a byte is served.
+
+A batch is one pipelined round trip to one server: ``STRLEN`` + ``GETRANGE 0 expected-1`` per
+key, so a value of another size costs at most the bytes the caller's buffer expects (see
+sized_read.py). Each reply is then judged: absent (evicted, deleted: a miss, the key leaves
+the view), refused by the server (counted, noted once), a value that is not ours to serve
+(damaged, foreign, written without the secret: deleted so that the next write replaces it,
+counted as ``rejected_records``), an intact value of another size (the caller's buffer is
+wrong: kept), or verified and copied into the host buffer.
+
+A server that fails mid-batch (down, stalled past the deadline, a cluster node between
+primaries) makes the rest of the batch misses and opens that server's ``Outage``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.jobs import Job, JobBook
+from kv_offload.backends.outage import Outage
+from kv_offload.backends.record import NETWORK_ALIGN, unpack_into
+from kv_offload.backends.rejections import Rejections
+from kv_offload.backends.server_keys import ServerKeys
+from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
+from kv_offload.backends.valkey.config import ValkeyTierConfig
+from kv_offload.backends.valkey.connection import (
+    SERVER_ERRORS,
+    ValkeyConnection,
+    raise_server_error,
+)
+
+logger = logging.getLogger("kv_offload.backends.valkey.tier")  # (the tier's log lines)
+
+
+class ValkeyReads:
+    """Runs read batches for one ``ValkeyTier`` (its config, client, job book and view)."""
+
+    def __init__(self, config: ValkeyTierConfig, conn: ValkeyConnection, book: JobBook,
+                 view: ServerKeys, rejections: Rejections,
+                 name_of: Callable[[bytes], bytes]) -> None:
+        self._config = config
+        self._conn = conn
+        self._book = book
+        self._view = view
+        self._rejections = rejections
+        self._name_of = name_of
+
+    def read_batch(self, job: Job, outage: Outage, batch: list) -> None:
+        done: list[int] = []
+        try:
+            if not outage.should_try():
+                self._book.count("read_failed", "read_failed_unreachable", n=len(batch))
+                return
+            pipe = self._conn.client.pipeline(transaction=False)
+            fingerprint = self._config.layout_fingerprint
+            for _, (key, buf) in batch:  # the size, and at most the bytes we expect
+                name = self._name_of(key)
+                pipe.strlen(name)
+                pipe.getrange(name, 0, expected_bytes(key, fingerprint, buf.numel(),
+                                                        self._config.codec) - 1)
+            replies = pipe.execute(raise_on_error=False)
+            raise_server_error(replies)
+            outage.succeeded()
+            for (i, (key, buf)), held, value in zip(batch, replies[::2], replies[1::2]):
+                if self._fill(key, held, value, buf):
+                    done.append(i)
+        except SERVER_ERRORS as e:
+            outage.failed(e)
+            self._book.count("read_failed", "read_failed_unreachable", n=len(batch) - len(done))
+        except Exception:
+            self._book.count("read_failed", "read_failed_bug", n=len(batch) - len(done))
+            logger.exception("kv-offload: unexpected error reading from %s",
+                             self._config.display_url)
+        finally:
+            ok = set(done)
+            self._view.add(key for i, (key, _) in batch if i in ok)
+            self._book.finish(job, done, True)
+            self._book.finish(job, [i for i, _ in batch if i not in ok], False)
+
+    def _fill(self, key: bytes, held, value, buf: torch.Tensor) -> bool:
+        """Check one STRLEN + GETRANGE reply and copy its data into ``buf``; False (and why,
+        counted) if it cannot be served."""
+        refused = next((r for r in (held, value) if isinstance(r, Exception)), None)
+        if refused is not None:  # e.g. WRONGTYPE: not a string
+            self._book.count("read_failed", "read_failed_refused")
+            self._book.note("read-refused", "%s refused a read: %s", self._config.display_url,
+                            refused)
+            return False
+        if not held:  # evicted by the server, or deleted by another process
+            self._view.discard([key])
+            self._book.count("read_failed", "read_failed_absent")
+            return False
+        fingerprint, codec = self._config.layout_fingerprint, self._config.codec
+        if held != expected_bytes(key, fingerprint, buf.numel(), codec):  # only its start read
+            got = judge_wrong_size(value, held, key, fingerprint, buf.numel(), codec)
+        else:
+            got = unpack_into(value, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
+                              codec=codec)
+        if got.bad is not None:
+            return self._discard(key, got.bad)
+        if not got.ok:  # an intact value of another size: the caller's buffer is wrong
+            self._book.count("read_failed", "read_failed_buffer_size")
+            self._book.note("buffer-size", "key %s holds %d bytes but the read buffer has %d; "
+                            "not served", key.hex(), got.held_bytes, buf.numel())
+            return False
+        self._rejections.verified()
+        self._book.count("read_ok")
+        self._book.count("bytes_read", n=buf.numel())
+        return True
+
+    def _discard(self, key: bytes, reason: str) -> bool:
+        """A value that is not ours to serve: delete it (a later write replaces it), forget
+        the key, report a miss."""
+        self._view.discard([key])
+        self._book.count("read_failed", "bad_values_removed", "rejected_records")
+        self._rejections.rejected(key, f"on {self._config.display_url}: {reason}")
+        with contextlib.suppress(*SERVER_ERRORS):  # if not, the next read finds it bad again
+            self._conn.client.unlink(self._name_of(key))
+        return False
