@@ -311,6 +311,7 @@ class FilesystemTier(StorageTier):
                         raise
                     make_private_dirs(os.path.dirname(final))
             victims = self._index.commit(reservation, key, size)
+            self._rescanner.wrote(key)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
             self._writes.failed(name, f"key {key.hex()}: {e}")
