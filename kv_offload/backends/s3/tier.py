@@ -17,8 +17,9 @@
 - An object store does not evict: ``bytes_to_use`` bounds the objects this engine wrote, and
   only those are evicted by it (``BucketKeys`` in keys.py: the disk tier's ``KeyIndex``, LRU by
   last access, a key being read is never evicted, victims deleted only once the write that
-  needed their room landed). Other writers' objects, adopted from a listing of the prefix
-  every ``refresh_interval_s``, are served but never deleted by this engine (bad ones aside):
+  needed their room landed). Other writers' objects, adopted from listings of the prefix
+  (listing.py: at start, then a crawl of a few pages per ``refresh_interval_s``), are served
+  but never deleted by this engine (bad ones aside):
   one engine with a small budget cannot empty the fleet's prefix. Objects nobody owns any
   more are the bucket lifecycle rule's to expire; ``evict_others`` makes a single owner keep
   the whole prefix within its budget instead.
@@ -53,7 +54,6 @@ from kv_offload.backends.base import (
 from kv_offload.backends.deadline import install_deadlines, request_deadline
 from kv_offload.backends.filesystem.index import Reservation
 from kv_offload.backends.filesystem.io_engine import host_view
-from kv_offload.backends.filesystem.listing import ScanListing
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
@@ -69,6 +69,7 @@ from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.s3.keys import BucketKeys
+from kv_offload.backends.s3.listing import PrefixListing
 from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.config import format_size
 
@@ -109,8 +110,13 @@ class S3Tier(StorageTier):
         self._conditional = config.conditional_put
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io",
                                       initializer=join_our_cpus)
-        self._refresher = Refresher(self.refresh, config.refresh_interval_s,
+        self._refresher = Refresher(lambda: self._listing.poll(), config.refresh_interval_s,
                                     name="kv-s3-refresh", what=self._where)
+        self._listing = PrefixListing(
+            self._s3, config.bucket, self._root, self._index,
+            pages_per_poll=config.list_pages_per_refresh,
+            request_timeout_s=config.request_timeout_s, outage=self._outage, book=self._book,
+            stopping=self._refresher.stopping, trouble=self._trouble, delete=self._delete)
         self.refresh()  # the objects already there, before the first lookup
         self._refresher.start()
 
@@ -227,34 +233,9 @@ class S3Tier(StorageTier):
         return True
 
     def refresh(self) -> None:
-        """List the prefix now: adopt others' objects, drop vanished ones, evict to budget."""
-        if not self._outage.should_try():
-            return
-        generation = self._index.start_scan()  # (keys written meanwhile are not dropped)
-        listing = ScanListing()
-        try:
-            pages = iter(self._s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self.config.bucket, Prefix=self._root))
-            while True:
-                with request_deadline(self.config.request_timeout_s):  # one page each
-                    page = next(pages, None)
-                if page is None:
-                    break
-                if self._refresher.stopping.is_set():
-                    return  # closing: an unfinished listing must not drop anything
-                for obj in page.get("Contents", []):
-                    key = self._key_of(obj["Key"])
-                    if key is not None:
-                        listing.add(key, obj["Size"], obj["LastModified"].timestamp())
-            self._outage.succeeded()
-        except (BotoCoreError, ClientError, OSError) as e:
-            self._trouble("refresh", e)
-            return
-        merged = self._index.merge_scan(listing, generation)
-        self._delete(self._index.evict_to_budget())
-        self._book.count("refreshes")
-        self._book.count("keys_adopted", n=merged.added)
-        self._book.count("keys_vanished", n=merged.dropped)
+        """List the whole prefix now: adopt others' objects, drop vanished ones, evict to
+        budget (the background thread lists a few pages per poll instead: listing.py)."""
+        self._listing.full()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -268,12 +249,6 @@ class S3Tier(StorageTier):
 
     def _generation_name(self) -> str:
         return self._root + "generation"  # (not hex: a listing never takes it for a key)
-
-    def _key_of(self, name: str) -> bytes | None:
-        try:
-            return bytes.fromhex(name[len(self._root):]) or None
-        except ValueError:
-            return None  # not one of ours
 
     def _write_one(self, job: Job, i: int, key: bytes, buf: torch.Tensor, size: int,
                    reservation: Reservation) -> None:
