@@ -110,7 +110,7 @@ class S3Tier(StorageTier):
         self._conditional = config.conditional_put
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io",
                                       initializer=join_our_cpus)
-        self._refresher = Refresher(lambda: self._listing.poll(), config.refresh_interval_s,
+        self._refresher = Refresher(self.poll_listing, config.refresh_interval_s,
                                     name="kv-s3-refresh", what=self._where)
         self._listing = PrefixListing(
             self._s3, config.bucket, self._root, self._index,
@@ -236,6 +236,11 @@ class S3Tier(StorageTier):
         """List the whole prefix now: adopt others' objects, drop vanished ones, evict to
         budget (the background thread lists a few pages per poll instead: listing.py)."""
         self._listing.full()
+
+    def poll_listing(self) -> None:
+        """One bounded step of the background listing (its thread's, every
+        ``refresh_interval_s``): at most ``list_pages_per_refresh`` pages."""
+        self._listing.poll()
 
     # -- internals -------------------------------------------------------------------------
 
