@@ -37,9 +37,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import boto3
 import torch
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kv_offload.affinity import join_our_cpus
@@ -67,6 +65,7 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.rejections import Rejections
+from kv_offload.backends.s3.client import make_client
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.s3.keys import BucketKeys
 from kv_offload.backends.s3.listing import PrefixListing
@@ -88,16 +87,7 @@ class S3Tier(StorageTier):
     def __init__(self, config: S3TierConfig) -> None:
         self.config = config
         self._root = f"{config.prefix}{config.codec.namespace(config.layout_fingerprint)}/"
-        style = config.addressing_style or ("path" if config.endpoint_url else "auto")
-        self._s3 = boto3.session.Session().client(
-            "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
-            config=BotoConfig(
-                connect_timeout=config.connect_timeout_s, read_timeout=config.timeout_s,
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                max_pool_connections=config.connections + 2, s3={"addressing_style": style},
-                # Our records carry their own xxh3 checksum: no second one per request.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required"))
+        self._s3 = make_client(config)
         self._index = BucketKeys(config.bytes_to_use, config.evict_others)
         self._book = JobBook("S3Tier", logger)
         if not install_deadlines(self._s3):  # pragma: no cover - a botocore unlike ours
