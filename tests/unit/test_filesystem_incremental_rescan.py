@@ -126,3 +126,18 @@ def test_a_directory_changed_within_the_clock_tick_is_listed_again(tmp_path):
     assert os.path.exists(os.path.join(os.path.dirname(fanout_dir), relative_path(key)))
     tier.close()
     other.close()
+
+
+def test_the_budget_survey_counts_a_file_added_to_an_unchanged_tree(tmp_path):
+    tier = make_tier(tmp_path)
+    fill_foreign(tmp_path, "kv-v1-ffff0000", 300)
+    age_tree(str(tmp_path))
+    tier.rescan()
+    tier.rescan()
+    assert tier.stats().foreign_bytes == 2 * 300 * 100
+    with open(os.path.join(tmp_path, "kv-v1-0123abcd", "7f", "late.dat"), "wb") as f:
+        f.write(b"y" * 1000)
+    os.remove(os.path.join(tmp_path, "kv-v1-ffff0000", "00", "not-ours-0.dat"))
+    tier.rescan()
+    assert tier.stats().foreign_bytes == 2 * 300 * 100 + 1000 - 100
+    tier.close()
