@@ -76,3 +76,13 @@ def test_the_background_thread_polls_the_crawl(s3_server):
         time.sleep(0.05)
     assert tier.lookup(keys) == [True] * 5
     tier.close()
+
+
+def test_the_fast_timestamp_parser_reads_listings_and_headers_as_botocore_does():
+    from botocore.utils import parse_timestamp as botocore_timestamp
+
+    from kv_offload.backends.s3.client import parse_timestamp
+
+    for text in ("2026-11-25T09:57:56.000Z", "2026-11-25T09:57:56Z",
+                 "Wed, 25 Nov 2026 09:57:56 GMT", "2026-11-25T10:57:56.125+01:00"):
+        assert parse_timestamp(text) == botocore_timestamp(text)
