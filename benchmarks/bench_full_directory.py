@@ -25,9 +25,13 @@ the median of the rounds per engine, and full / empty per tree (goal >= 0.85); b
 best round of each (the least disturbed by other load on a shared host). With
 `--before DIR` (a directory holding another tree's `kv_offload` package, e.g.
 `git archive <rev> kv_offload | tar -x -C DIR`) the same two engines also run that tree, in
-the same run, interleaved (empty now, full now, full before, empty before), so both trees see
-the same machine. `--profile DIR` runs every engine under `py-spy record` (raw collapsed
-stacks, `DIR/<engine>.txt`) and prints the share of samples in the tier's scan functions.
+the same run. All engines are started first, then run their rounds in turns (round r of
+every engine, in a rotating order, before round r+1 of any): the engines not measured are
+stopped (SIGSTOP to their process group: their rescans use no CPU meanwhile), so each round
+has the machine to itself, and rounds of one number compare engines under the same outside
+load (this host is shared); the median of the per-round full / empty ratios is printed too.
+`--profile DIR` runs every engine under `py-spy record` (raw collapsed stacks,
+`DIR/<engine>.txt`) and prints the share of samples in the tier's scan functions.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 32
-CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB", "fs_bytes_to_use": "16GiB"}
+CONNECTOR_EXTRA = {"cpu_bytes_to_use": "512MiB", "fs_bytes_to_use": "16GiB"}
 GOAL = 0.85
 SCAN_FUNCTIONS = ("scan_layout_dir", "survey_root", "merge_scan", "merge_changes",
                   "_files_under", "FanoutScanner", "_relist", "totals", "rescan")
@@ -72,8 +77,11 @@ def _child(spec_path: Path) -> int:
                 for i in range(spec["prompts"])]
 
     llm.generate(batch(0), params, use_tqdm=False)  # warm-up: first-call costs
+    out_dir = Path(spec["result_path"]).parent
+    (out_dir / "ready").write_text(json.dumps({"engine_start_s": time.perf_counter() - started}))
     rounds = []
     for r in range(1, spec["rounds"] + 1):
+        sys.stdin.readline()  # the parent's turn signal (it stops this process in between)
         prompts = batch(r)
         t0, cpu0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -82,6 +90,7 @@ def _child(spec_path: Path) -> int:
         rounds.append({"round": r, "wall_s": wall_s, "tokens": tokens,
                        "tokens_per_s": tokens / wall_s,
                        "process_cpu_s": time.process_time() - cpu0})
+        (out_dir / f"round-{r}.json").write_text(json.dumps(rounds[-1]))
     Path(spec["result_path"]).write_text(json.dumps(
         {"engine_start_s": engine_start_s, "rounds": rounds}))
     del llm
@@ -128,33 +137,60 @@ def _transfer_config(root: Path) -> dict[str, Any]:
             "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(root)}}
 
 
-def _run_engine(name: str, tree: Path, root: Path, spec: dict[str, Any], work: Path,
-                profile: Path | None) -> dict[str, Any]:
-    run_dir = work / name
-    run_dir.mkdir(parents=True)
-    spec_path, result_path, log_path = run_dir / "spec.json", run_dir / "result.json", \
-        run_dir / "engine.log"
-    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path),
-                                     "kv_transfer_config": _transfer_config(root)}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
-    if profile is not None:
-        cmd = ["py-spy", "record", "-r", "50", "-f", "raw", "--threads", "-o",
-               str(profile / f"{name}.txt"), "--", *cmd]
-    print(f"  engine '{name}' ({tree}) over {root} (log {log_path}) ...", flush=True)
-    load_before = os.getloadavg()[0]
-    with log_path.open("w") as log:
-        proc = subprocess.run(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not result_path.exists():
-        raise RuntimeError(f"engine '{name}' failed (exit {proc.returncode}):\n"
-                           f"{log_path.read_text()[-3000:]}")
-    result = json.loads(result_path.read_text())
-    result["median_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in result["rounds"])
-    result["best_tokens_per_s"] = max(r["tokens_per_s"] for r in result["rounds"])
-    result["load_average_before_after"] = [load_before, os.getloadavg()[0]]
-    if profile is not None:
-        result["profile"] = _profile_shares(profile / f"{name}.txt")
-    return result
+class Engine:
+    """One engine child process, started and then run round by round; between its turns
+    it is stopped (SIGSTOP on its process group: its threads, the disk tier's rescans
+    included, use no CPU while another engine is measured)."""
+
+    def __init__(self, name: str, tree: Path, root: Path, spec: dict[str, Any], work: Path,
+                 profile: Path | None, omp_cpus: str | None) -> None:
+        self.name = name
+        self.dir = work / name
+        self.dir.mkdir(parents=True)
+        spec_path, self.log_path = self.dir / "spec.json", self.dir / "engine.log"
+        spec_path.write_text(json.dumps({**spec, "result_path": str(self.dir / "result.json"),
+                                         "kv_transfer_config": _transfer_config(root)}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(tree)}
+        if omp_cpus:  # (vLLM's CPU worker pins its OpenMP threads to these CPUs)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_cpus
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
+        if profile is not None:
+            cmd = ["py-spy", "record", "-r", "50", "-f", "raw", "--threads", "-o",
+                   str(profile / f"{name}.txt"), "--", *cmd]
+        print(f"  engine '{name}' ({tree}) over {root} (log {self.log_path}) ...", flush=True)
+        self._log = self.log_path.open("w")
+        # cwd: the engine's own folder (the checkout's folders must not shadow PYTHONPATH)
+        self._proc = subprocess.Popen(cmd, cwd=self.dir, env=env, stdin=subprocess.PIPE,
+                                      stdout=self._log, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
+        self.ready = self._wait_for(self.dir / "ready")
+        self._signal(signal.SIGSTOP)
+
+    def run_round(self, r: int) -> dict[str, Any]:
+        self._signal(signal.SIGCONT)
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+        result = self._wait_for(self.dir / f"round-{r}.json")
+        self._signal(signal.SIGSTOP)
+        return result
+
+    def finish(self) -> None:
+        self._signal(signal.SIGCONT)
+        self._proc.stdin.close()
+        self._proc.wait(timeout=300)
+        self._log.close()
+
+    def _signal(self, sig: int) -> None:
+        os.killpg(self._proc.pid, sig)
+
+    def _wait_for(self, path: Path) -> dict[str, Any]:
+        while not path.exists():
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"engine '{self.name}' exited ({self._proc.returncode}):\n"
+                                   f"{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        time.sleep(0.05)  # (written whole: small JSON, one write)
+        return json.loads(path.read_text())
 
 
 def _profile_shares(path: Path) -> dict[str, float]:
@@ -190,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, help="a directory holding another tree's "
                         "kv_offload package, run side by side")
     parser.add_argument("--work-dir", type=Path)
+    parser.add_argument("--omp-cpus", help="VLLM_CPU_OMP_THREADS_BIND of the engines (e.g. "
+                        "'0': one OpenMP thread on CPU 0, steadier on a host shared with "
+                        "other work; default: vLLM's choice)")
     parser.add_argument("--profile", type=Path, help="py-spy every engine into this folder")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -206,13 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"model": str(model), "rounds": args.rounds, "prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
     trees = [("now", now_tree)] + ([("before", args.before.resolve())] if args.before else [])
-    order = [("now", "empty"), ("now", "full")]
-    if args.before:
-        order += [("before", "full"), ("before", "empty")]
     full_root = work / "root-full"
-    results: dict[str, dict[str, Any]] = {}
+    engines: dict[str, Engine] = {}
     fill: dict[str, Any] = {}
-    for i, (tree_name, kind) in enumerate(order):
+    for i, (tree_name, kind) in enumerate(
+            [(t, k) for k in ("empty", "full") for t, _ in trees]):
         root = work / (f"root-empty-{tree_name}" if kind == "empty" else "root-full")
         if kind == "full" and not fill:
             layout = _layout_name(work / "root-empty-now")  # (same model: same layout)
@@ -221,9 +258,29 @@ def main(argv: list[str] | None = None) -> int:
             fill = {**_fill(full_root, layout, args.files),
                     "seconds": time.perf_counter() - t0}
         name = f"{kind}-{tree_name}"
-        results[name] = _run_engine(name, dict(trees)[tree_name], root,
-                                    {**spec, "prompt_offset": 100_000 * (i + 1)}, work,
-                                    args.profile)
+        engines[name] = Engine(name, dict(trees)[tree_name], root,
+                               {**spec, "prompt_offset": 100_000 * (i + 1)}, work, args.profile,
+                               args.omp_cpus)
+    results: dict[str, dict[str, Any]] = {
+        name: {"engine_start_s": e.ready["engine_start_s"], "rounds": []}
+        for name, e in engines.items()}
+    names = list(engines)
+    for r in range(1, args.rounds + 1):
+        # Every engine once per round, in a rotating order, each alone on the machine.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            load = os.getloadavg()[0]
+            results[name]["rounds"].append({**engines[name].run_round(r), "load": load})
+        print(f"  round {r}: " + ", ".join(
+            f"{n} {results[n]['rounds'][-1]['tokens_per_s']:.0f} tok/s" for n in names),
+            flush=True)
+    for e in engines.values():
+        e.finish()
+    for name, result in results.items():
+        rates = [x["tokens_per_s"] for x in result["rounds"]]
+        result["median_tokens_per_s"] = statistics.median(rates)
+        result["best_tokens_per_s"] = max(rates)
+        if args.profile:
+            result["profile"] = _profile_shares(args.profile / f"{name}.txt")
 
     from kv_offload.tools.report import Table, emit, envelope
 
@@ -244,9 +301,15 @@ def main(argv: list[str] | None = None) -> int:
                   f">= {GOAL}")
     table.notes.append("engine start (s): " + ", ".join(
         f"{k} {v['engine_start_s']:.1f}" for k, v in results.items()))
-    table.notes.append("1-min load average before/after: " + ", ".join(
-        f"{k} {a:.1f}/{b:.1f}" for k, (a, b) in
-        ((k, v["load_average_before_after"]) for k, v in results.items())))
+    for tree_name, _ in trees:  # (rounds r of both engines ran back to back)
+        pairs = [f["tokens_per_s"] / e["tokens_per_s"] for e, f in zip(
+            results[f"empty-{tree_name}"]["rounds"], results[f"full-{tree_name}"]["rounds"])]
+        summary[tree_name]["median_round_ratio"] = statistics.median(pairs)
+        table.notes.append(f"{tree_name}: median of the per-round full / empty ratios "
+                           f"{statistics.median(pairs):.2f} (" +
+                           ", ".join(f"{x:.2f}" for x in pairs) + ")")
+    table.notes.append("1-min load average at each round: " + ", ".join(
+        f"{k} " + "/".join(f"{x['load']:.1f}" for x in v["rounds"]) for k, v in results.items()))
     for k, v in results.items():
         if v.get("profile"):
             table.notes.append(f"py-spy {k}: " + ", ".join(
