@@ -17,10 +17,12 @@ the view's lock, so the feed and the view never disagree.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 from kv_offload.backends.base import TierChanges
 from kv_offload.backends.filesystem.changes import ChangeFeed
+from kv_offload.backends.filesystem.pacing import Pacer, Pause, let_others_run
 
 
 class ServerKeys:
@@ -86,6 +88,26 @@ class ServerKeys:
             for key in new:
                 self._feed.added(key)
         return len(new), len(gone)
+
+    def drop_unseen(self, seen: Callable[[bytes], bool], generation: int,
+                    pause: Pause = let_others_run) -> int:
+        """Drop the keys that predate scan ``generation`` and that it did not see (keys it
+        saw were ``add``-ed page by page while it ran: S3's paced listing). In steps of
+        ~0.25 ms, each one lock hold, after one snapshot of the keys (a C-speed copy: ~4 ms
+        per million keys). Returns the keys dropped."""
+        with self._lock:
+            snapshot = iter(list(self._stamps))
+        dropped = 0
+        with Pacer(pause, self._lock) as pacer:
+            while chunk := list(islice(snapshot, 256)):
+                for key in chunk:
+                    stamp = self._stamps.get(key)
+                    if stamp is not None and stamp < generation and not seen(key):
+                        del self._stamps[key]
+                        self._feed.removed(key)
+                        dropped += 1
+                pacer.tick(len(chunk))
+        return dropped
 
     def take_changes(self, max_keys: int) -> TierChanges:
         return self._feed.take(max_keys)

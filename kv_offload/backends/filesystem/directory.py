@@ -1,29 +1,25 @@
-"""The tier's directory: checking the root at start, scanning it, sweeping temporary files.
+"""The tier's directory: checking the root at start, and which temporary files are stale.
 
-A scan lists file names and sizes only (one ``stat`` per file, no file is opened): the name
-encodes the key, and each header is validated when the file is read. Temporary files left by a
-writer that died are removed: at once when the writer was a process on this host that no longer
-exists, after ``stale_temp_s`` seconds when it ran on another host (shared filesystems), since
-a live writer elsewhere may still be about to rename it.
+Scans (``fanout_scan``) list file names (the name encodes the key; each header is validated
+when the file is read). Temporary files left by a writer that died are removed: at once when
+the writer was a process on this host that no longer exists, after ``stale_temp_s`` seconds
+when it ran on another host (shared filesystems), since a live writer elsewhere may still be
+about to rename it (`is_stale_temp`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import time
 
 from kv_offload.backends.filesystem.fileformat import (
     CHECKSUM,
     RecordCodec,
-    fanout_dir_name,
-    key_from_file_name,
     layout_dir_name,
     parse_temp_file_name,
     temp_file_name,
 )
-from kv_offload.backends.filesystem.io_engine import probe_direct_io, unlink_quietly
-from kv_offload.backends.filesystem.listing import ScanListing
+from kv_offload.backends.filesystem.io_engine import probe_direct_io
 from kv_offload.errors import TierRootError
 
 _HEX = "0123456789abcdef"
@@ -86,7 +82,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _is_stale_temp(name: str, mtime: float, host: str, stale_temp_s: float, now: float) -> bool:
+def is_stale_temp(name: str, mtime: float, host: str, stale_temp_s: float, now: float) -> bool:
     owner = parse_temp_file_name(name)
     if owner is None:
         return False
@@ -94,33 +90,3 @@ def _is_stale_temp(name: str, mtime: float, host: str, stale_temp_s: float, now:
     if owner_host == host and pid != os.getpid() and not _pid_alive(pid):
         return True
     return now - mtime > stale_temp_s
-
-
-def scan_layout_dir(
-    layout_dir: str, host: str, stale_temp_s: float
-) -> tuple[ScanListing, int]:
-    """List the final files of a layout directory and sweep stale temporary files.
-
-    Returns (files found, temporary files removed). Files that vanish mid-scan are skipped.
-    Holds no lock: the stat calls release the GIL, so other threads run between them.
-    """
-    files = ScanListing()
-    swept = 0
-    now = time.time()
-    for fanout in FANOUT_DIRS:
-        try:
-            entries = list(os.scandir(os.path.join(layout_dir, fanout)))
-        except FileNotFoundError:
-            continue
-        for entry in entries:
-            key = key_from_file_name(entry.name)
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if key is not None:
-                if fanout_dir_name(key) == fanout and entry.is_file(follow_symlinks=False):
-                    files.add(key, st.st_size, st.st_mtime)
-            elif _is_stale_temp(entry.name, st.st_mtime, host, stale_temp_s, now):
-                swept += unlink_quietly(entry.path)
-    return files, swept

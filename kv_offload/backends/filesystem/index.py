@@ -219,6 +219,37 @@ class KeyIndex:
             self._fresh = self._removed = None
         return MergeResult(added, dropped, resized)
 
+    def merge_changes(
+        self,
+        added: ScanListing,
+        vanished: Iterable[bytes],
+        generation: int,
+        pause: Pause = let_others_run,
+    ) -> MergeResult:
+        """Apply what an incremental scan found (``fanout_scan``): adopt the keys that
+        appeared (oldest mtime least recent), drop the keys whose files vanished. Same rules
+        as ``merge_scan`` (a key committed or being read since the scan started is kept, a
+        key removed since is not adopted), at a cost in the keys changed, not the keys held.
+        """
+        if generation != self._generation or self._fresh is None:
+            raise ValueError(f"scan {generation} is not open; call start_scan() first")
+        dropped = 0
+        with Pacer(pause, self._lock) as pacer:
+            for key in vanished:
+                if key in self._lru and key not in self._fresh and key not in self._readers:
+                    self._drop(key)  # deleted by another process
+                    dropped += 1
+                pacer.tick()
+        keys: list[bytes] = []
+        rows = array("q")
+        for shard in added.shards:
+            keys.extend(shard.keys())
+            rows.extend(shard.values())
+        adopted = self._adopt(added, keys, rows, pause)
+        with self._lock:
+            self._fresh = self._removed = None
+        return MergeResult(adopted, dropped)
+
     def _diff_shards(
         self, listing: ScanListing, pause: Pause
     ) -> tuple[list[bytes], array, int, int]:

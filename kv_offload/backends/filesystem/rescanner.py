@@ -1,30 +1,45 @@
 """The filesystem tier's background work: rescans, the root-wide budget, heartbeats.
 
 Contents:
-- `Rescanner`: one thread per tier. Every ``rescan_interval_s`` it lists the layout directory
-  (no lock held), merges the listing into the index (short lock holds), sweeps stale temporary
-  files, fits the whole root into the budget (``root_budget``) and evicts down to this tier's
-  share. With rescans off (interval 0) it still touches the heartbeat, at least every quarter
-  of ``heartbeat_timeout_s``, so that tiers of other layouts see this directory is alive.
+- `Rescanner`: one thread per tier. At start it lists the whole layout directory (the
+  inventory); then every ``rescan_interval_s`` it re-lists only the fan-out directories that
+  changed (``fanout_scan``: one ``stat`` per unchanged directory, no ``stat`` of known or
+  foreign files), merges what appeared and vanished into the index (short lock holds), sweeps
+  stale temporary files, fits the whole root into the budget (``root_budget``, whose survey
+  also skips unchanged directories) and evicts down to this tier's share. With rescans off
+  (interval 0) it still touches the heartbeat, at least every quarter of
+  ``heartbeat_timeout_s``, so that tiers of other layouts see this directory is alive.
 
-Nothing here runs on a caller's path. An exception (a flaky shared filesystem) never kills
-the thread: it is counted and logged once per episode, and the next round tries again.
+Nothing here runs on a caller's path. The thread runs at the lowest CPU priority (nice 19, a
+per-thread setting on Linux) and on kv-offload's CPUs (``affinity``), off the cores vLLM
+pinned its forward pass to: what a rescan costs comes out of idle time first. An exception (a
+flaky shared filesystem) never kills the thread: it is counted and logged once per episode,
+and the next round tries again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
+from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
-from kv_offload.backends.filesystem.directory import scan_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
+from kv_offload.backends.filesystem.fanout_scan import FanoutScanner
 from kv_offload.backends.filesystem.index import KeyIndex
 from kv_offload.backends.filesystem.pacing import Pause, let_others_run
-from kv_offload.backends.filesystem.root_budget import RootSurvey, fit_root, touch_heartbeat
+from kv_offload.backends.filesystem.root_budget import (
+    HEARTBEAT_NAME,
+    RootSurvey,
+    TreeSizes,
+    fit_root,
+    touch_heartbeat,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +69,10 @@ class Rescanner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-fs-rescan", daemon=True)
         self.root = RootSurvey()  # the root as the last rescan found it
+        self._scanner = FanoutScanner(layout_dir, host, config.stale_temp_s)
+        # Sizes of the directories outside ours, re-counted where a directory mtime moved.
+        self._sizes = TreeSizes(frozenset({HEARTBEAT_NAME}))
+        self._inventoried = False  # whether the first (full) listing was merged
         self._starved = False  # whether the last rescan left this tier no room at all
 
     def start(self) -> None:
@@ -65,14 +84,25 @@ class Rescanner:
         if self._thread.is_alive():
             self._thread.join()
 
+    def wrote(self, key: bytes) -> None:
+        """A file of ours landed (O(1)): the next rescan notices if another process deletes
+        it, even before its directory is listed again."""
+        self._scanner.wrote(key)
+
     def rescan(self, pause: Pause = let_others_run) -> None:
-        """One full round now (``pause``: between merge steps; None before anyone calls)."""
+        """One round now (``pause``: between merge steps; None before anyone calls). The
+        first lists everything; later ones only the fan-out directories that changed."""
         with self._lock:
             generation = self._index.start_scan()
-            files, swept = scan_layout_dir(
-                self._layout_dir, self._host, self._config.stale_temp_s
-            )
-            merged = self._index.merge_scan(files, generation, pause)
+            if not self._inventoried:
+                found = self._scanner.full()
+                merged = self._index.merge_scan(found.added, generation, pause)
+                self._inventoried = True
+            else:
+                found = self._scanner.changes()
+                merged = self._index.merge_changes(found.added, found.vanished, generation,
+                                                   pause)
+            swept = found.swept
             try:  # (an unreadable corner of a shared root must not stop this tier's upkeep)
                 self._fit_root()
                 self._root_failures.succeeded()
@@ -81,6 +111,8 @@ class Rescanner:
                 self._root_failures.failed(name, f"{self._config.root_dir}: {e}")
             self._delete(self._index.evict_to_budget(pause))
         self._count("rescans")
+        self._count("rescan_dirs_listed", n=found.listed_dirs)
+        self._count("rescan_dirs_skipped", n=found.skipped_dirs)
         self._count("temp_files_swept", n=swept)
         self._count("keys_adopted", n=merged.added)
         self._count("keys_vanished", n=merged.dropped)
@@ -89,7 +121,7 @@ class Rescanner:
         config = self._config
         fit = fit_root(
             config.root_dir, self._layout_dir, config.bytes_to_use, self._index.used_bytes,
-            config.heartbeat_timeout_s,
+            config.heartbeat_timeout_s, self._sizes,
         )
         self.root = fit.survey
         self._index.set_budget(fit.share_bytes)
@@ -114,6 +146,9 @@ class Rescanner:
             )
 
     def _loop(self) -> None:
+        join_our_cpus()  # (off the engine's cores, where vLLM pinned them)
+        with contextlib.suppress(OSError, AttributeError):  # (not Linux: normal priority)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         heartbeat_s = self._config.heartbeat_timeout_s / 4
         interval = self._config.rescan_interval_s
         next_rescan = time.monotonic() + interval if interval > 0 else float("inf")

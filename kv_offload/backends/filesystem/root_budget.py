@@ -29,8 +29,10 @@ matter. Directory mtimes are not used: deleting stale files would refresh them.
 Cost: a live tier writes the bytes it holds into its heartbeat, so the others read one small
 file per live directory instead of stating its every file (8 ranks of a million files each
 would otherwise stat 7 million files per rescan, each). Only directories without a fresh
-heartbeat (stale ones, or older library versions) are walked. (Heartbeat files themselves,
-64 bytes each, are not counted.)
+heartbeat (stale ones, or older library versions) and what is not a layout directory are
+counted, through a `TreeSizes` the rescanner keeps: a directory whose mtime has not moved
+since the last survey costs one ``stat``, not one per file (``tree_sizes``). (Heartbeat files
+themselves, 64 bytes each, are not counted.)
 
 Files that are not in a layout directory (anything else an operator put under the root) count
 against the budget but are never deleted. All of this runs in the tier's background rescan,
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 
 from kv_offload.backends.filesystem.fileformat import GENERATION_NAME
 from kv_offload.backends.filesystem.io_engine import NotRegularFile, open_regular, unlink_quietly
+from kv_offload.backends.filesystem.tree_sizes import TreeSizes
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ HEARTBEAT_NAME = ".kv-alive"
 _HEARTBEAT_SIZE = 64
 _HEARTBEAT = re.compile(rb"kv-offload heartbeat: (\d+) bytes\n")
 # layout_dir_name() of any format version: "kv-v<version>-<hex digest of the fingerprint>"
+_NOT_COUNTED = frozenset({HEARTBEAT_NAME})
 _LAYOUT_DIR = re.compile(r"^kv-v[0-9A-Za-z._]+-[0-9a-f]+$")
 
 
@@ -151,10 +155,15 @@ def _files_under(path: str):
         yield entry.path, st.st_size, st.st_mtime
 
 
-def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float) -> RootSurvey:
+def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float,
+                sizes: TreeSizes | None = None) -> RootSurvey:
     """Sizes of everything under ``root`` but ``own_layout_dir``, and which layout dirs are
     live (heartbeat or newest file younger than ``live_window_s`` before ``now``). A live
-    directory whose heartbeat says what it holds is not walked."""
+    directory whose heartbeat says what it holds is not walked; the rest is counted through
+    ``sizes`` (`TreeSizes`: a directory unchanged since the last survey costs one ``stat``;
+    None: count everything now)."""
+    if sizes is None:
+        sizes = TreeSizes(_NOT_COUNTED)
     layout_dirs: list[ForeignDir] = []
     other = 0
     own = os.path.basename(os.path.normpath(own_layout_dir))
@@ -170,20 +179,13 @@ def survey_root(root: str, own_layout_dir: str, now: float, live_window_s: float
             if now - newest < live_window_s and held is not None:  # live, and says its size
                 layout_dirs.append(ForeignDir(entry.path, live=True, bytes=held))
                 continue
-            found = ForeignDir(entry.path, live=False)
-            for path, size, mtime in _files_under(entry.path):
-                if os.path.basename(path) != HEARTBEAT_NAME:  # (64 bytes, not counted)
-                    found.bytes += size
-                    newest = max(newest, mtime)
-            found.live = now - newest < live_window_s
-            layout_dirs.append(found)
+            totals = sizes.totals(entry.path)  # (heartbeats: 64 bytes, not counted)
+            newest = max(newest, totals.newest)
+            layout_dirs.append(ForeignDir(entry.path, live=now - newest < live_window_s,
+                                          bytes=totals.bytes))
         elif is_dir:
-            other += sum(size for _, size, _ in _files_under(entry.path))
-        else:
-            try:
-                other += entry.stat(follow_symlinks=False).st_size
-            except OSError:
-                continue
+            other += sizes.totals(entry.path).bytes
+    other += sizes.own_files(root).bytes  # (files directly under the root)
     return RootSurvey(tuple(layout_dirs), other)
 
 
@@ -254,7 +256,8 @@ class RootFit:
 
 
 def fit_root(
-    root: str, layout_dir: str, budget: int, own_bytes: int, live_window_s: float
+    root: str, layout_dir: str, budget: int, own_bytes: int, live_window_s: float,
+    sizes: TreeSizes | None = None,
 ) -> RootFit:
     """Touch this tier's heartbeat, survey the root, evict stale layout directories (oldest
     files first) while the root is over ``budget``, and return this tier's share (see
@@ -262,14 +265,14 @@ def fit_root(
     wrote since its last one, or while a tier that holds more than its part has not yet
     rescanned and shrunk."""
     now = touch_heartbeat(layout_dir, own_bytes)
-    survey = survey_root(root, layout_dir, now, live_window_s)
+    survey = survey_root(root, layout_dir, now, live_window_s, sizes)
     evicted = StaleEviction()
     over = own_bytes + survey.foreign_bytes - budget
     if over > 0 and survey.stale_bytes:
         evicted = evict_stale(
             [d for d in survey.layout_dirs if not d.live], over, now, live_window_s
         )
-        survey = survey_root(root, layout_dir, now, live_window_s)
+        survey = survey_root(root, layout_dir, now, live_window_s, sizes)
     return RootFit(survey, evicted, survey.share(budget))
 
 

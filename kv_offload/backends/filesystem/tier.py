@@ -16,9 +16,10 @@
   evicted first, live ones share it (``root_budget``; done in the background rescan).
 - Sharing: several processes (one host, or many over NFS/Lustre/...) may use one directory.
   Renames are atomic, deletes tolerate vanished files, and every ``rescan_interval_s`` seconds
-  a background scan adds keys written by others and drops keys deleted by others. A key
-  written elsewhere is therefore visible here within ``rescan_interval_s`` plus one scan. The
-  scan lists and stats files holding no lock, and merges into the index in short lock holds.
+  a background scan adds keys written by others and drops keys deleted by others; it re-lists
+  only fan-out directories whose mtime moved (``fanout_scan``). A key written elsewhere is
+  visible here within ``rescan_interval_s`` plus one scan (32 scans where directory mtimes
+  cannot be trusted: clock skew, NFS attribute caches), merged in short lock holds.
 - ``take_changes`` hands out what changed (own writes, evictions, bad files, what rescans
   found), the start-up inventory first, in chunks: callers never need to list the keys.
 """
@@ -311,6 +312,7 @@ class FilesystemTier(StorageTier):
                         raise
                     make_private_dirs(os.path.dirname(final))
             victims = self._index.commit(reservation, key, size)
+            self._rescanner.wrote(key)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EUNKNOWN")
             self._writes.failed(name, f"key {key.hex()}: {e}")

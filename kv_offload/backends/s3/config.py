@@ -39,8 +39,11 @@ class S3TierConfig:
                                                        "slowly the endpoint sends")
     connect_timeout_s: float = option("seconds", 2.0, "bound on each connect")
     max_attempts: int = option("count", 1, "attempts per request, retries included")
-    refresh_interval_s: float = option("seconds", 30.0, "seconds between listings of the "
-                                                        "objects (0: only at start)")
+    refresh_interval_s: float = option("seconds", 1.0, "seconds between two polls of the "
+                                                       "listing crawl (0: list only at "
+                                                       "start)")
+    list_pages_per_refresh: int = option("count", 1, "listing pages (1000 objects each) per "
+                                                     "poll: bounds the CPU spent listing")
     conditional_put: bool = option("bool", True, "write with If-None-Match: * (an object "
                                                  "already there is not sent again)")
     retry_interval_s: float = option("seconds", 1.0, "while the endpoint is unreachable, "

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from kv_offload.backends.filesystem.changes import ChangeFeed
 from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.listing import ScanListing
+from kv_offload.backends.filesystem.lru import ShardedLRU
+from kv_offload.backends.filesystem.pacing import Pause, let_others_run
 from kv_offload.backends.server_keys import ServerKeys
 
-_CHUNK = 1024  # keys per lock hold when sorting a listing into own and others'
+_CHUNK = 1024  # keys per lock hold when sorting a page of a listing into own and others'
 
 
 @dataclass(frozen=True)
@@ -104,24 +106,36 @@ class BucketKeys:
     def start_scan(self) -> ScanStart:
         return ScanStart(self.own.start_scan(), self.others.begin_scan())
 
-    def merge_scan(self, listing: ScanListing, start: ScanStart) -> ScanMerge:
-        """Merge a listing of the prefix (opened by ``start_scan`` before it was taken)."""
+    def adopt_listed(self, keys: Sequence[bytes]) -> int:
+        """Keys one page of a listing found: other writers' become readable now (ours are
+        known already). With ``evict_others`` they join the budgeted index only when the
+        listing ends (``finish_listing``). Returns the keys new to this engine."""
         if self.evict_others:
-            merged = self.own.merge_scan(listing, start.own)
+            return 0
+        before = len(self.others)
+        for at in range(0, len(keys), _CHUNK):
+            chunk = list(keys[at:at + _CHUNK])
+            self.others.add([k for k, held in zip(chunk, self.own.contains(chunk)) if not held])
+        return len(self.others) - before
+
+    def finish_listing(self, listing: ScanListing, start: ScanStart,
+                       pause: Pause = let_others_run) -> ScanMerge:
+        """A listing of the whole prefix (opened by ``start_scan`` before its first page,
+        its pages ``adopt_listed`` as they came) is complete: drop the keys that predate it
+        and that it did not see, in paced steps (never one long lock hold)."""
+        if self.evict_others:
+            merged = self.own.merge_scan(listing, start.own, pause)
             return ScanMerge(merged.added, merged.dropped)
-        files = list(listing.files())
-        mine, theirs = ScanListing(), []
-        for at in range(0, len(files), _CHUNK):
-            chunk = files[at:at + _CHUNK]
-            for f, held in zip(chunk, self.own.contains([f.key for f in chunk])):
-                if held:
-                    mine.add(f.key, f.size, f.mtime)
-                else:
-                    theirs.append(f.key)
-        # (own: only drops ours that vanished, adopts nothing: every listed key is ours)
-        dropped = self.own.merge_scan(mine, start.own).dropped
-        added, gone = self.others.merge_scan(theirs, start.others)
-        return ScanMerge(added, dropped + gone)
+
+        def listed(key: bytes) -> bool:
+            return key in listing.shards[ShardedLRU.shard_of(key)]
+
+        # (own: bounded by this engine's budget; only drops, ours vanished from the store)
+        ours = self.own.keys()  # (a snapshot)
+        vanished = [key for key in ours if not listed(key)]
+        dropped = self.own.merge_changes(ScanListing(), vanished, start.own, pause).dropped
+        gone = self.others.drop_unseen(listed, start.others, pause)
+        return ScanMerge(0, dropped + gone)
 
     def evict_to_budget(self) -> list[bytes]:
         return self.own.evict_to_budget()

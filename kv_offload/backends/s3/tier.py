@@ -17,8 +17,9 @@
 - An object store does not evict: ``bytes_to_use`` bounds the objects this engine wrote, and
   only those are evicted by it (``BucketKeys`` in keys.py: the disk tier's ``KeyIndex``, LRU by
   last access, a key being read is never evicted, victims deleted only once the write that
-  needed their room landed). Other writers' objects, adopted from a listing of the prefix
-  every ``refresh_interval_s``, are served but never deleted by this engine (bad ones aside):
+  needed their room landed). Other writers' objects, adopted from listings of the prefix
+  (listing.py: at start, then a crawl of a few pages per ``refresh_interval_s``), are served
+  but never deleted by this engine (bad ones aside):
   one engine with a small budget cannot empty the fleet's prefix. Objects nobody owns any
   more are the bucket lifecycle rule's to expire; ``evict_others`` makes a single owner keep
   the whole prefix within its budget instead.
@@ -36,9 +37,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import boto3
 import torch
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kv_offload.affinity import join_our_cpus
@@ -53,7 +52,6 @@ from kv_offload.backends.base import (
 from kv_offload.backends.deadline import install_deadlines, request_deadline
 from kv_offload.backends.filesystem.index import Reservation
 from kv_offload.backends.filesystem.io_engine import host_view
-from kv_offload.backends.filesystem.listing import ScanListing
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
@@ -67,8 +65,10 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.refresher import Refresher
 from kv_offload.backends.rejections import Rejections
+from kv_offload.backends.s3.client import make_client
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.s3.keys import BucketKeys
+from kv_offload.backends.s3.listing import PrefixListing
 from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.config import format_size
 
@@ -87,16 +87,7 @@ class S3Tier(StorageTier):
     def __init__(self, config: S3TierConfig) -> None:
         self.config = config
         self._root = f"{config.prefix}{config.codec.namespace(config.layout_fingerprint)}/"
-        style = config.addressing_style or ("path" if config.endpoint_url else "auto")
-        self._s3 = boto3.session.Session().client(
-            "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
-            config=BotoConfig(
-                connect_timeout=config.connect_timeout_s, read_timeout=config.timeout_s,
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                max_pool_connections=config.connections + 2, s3={"addressing_style": style},
-                # Our records carry their own xxh3 checksum: no second one per request.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required"))
+        self._s3 = make_client(config)
         self._index = BucketKeys(config.bytes_to_use, config.evict_others)
         self._book = JobBook("S3Tier", logger)
         if not install_deadlines(self._s3):  # pragma: no cover - a botocore unlike ours
@@ -109,8 +100,13 @@ class S3Tier(StorageTier):
         self._conditional = config.conditional_put
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io",
                                       initializer=join_our_cpus)
-        self._refresher = Refresher(self.refresh, config.refresh_interval_s,
+        self._refresher = Refresher(self.poll_listing, config.refresh_interval_s,
                                     name="kv-s3-refresh", what=self._where)
+        self._listing = PrefixListing(
+            self._s3, config.bucket, self._root, self._index,
+            pages_per_poll=config.list_pages_per_refresh,
+            request_timeout_s=config.request_timeout_s, outage=self._outage, book=self._book,
+            stopping=self._refresher.stopping, trouble=self._trouble, delete=self._delete)
         self.refresh()  # the objects already there, before the first lookup
         self._refresher.start()
 
@@ -227,34 +223,14 @@ class S3Tier(StorageTier):
         return True
 
     def refresh(self) -> None:
-        """List the prefix now: adopt others' objects, drop vanished ones, evict to budget."""
-        if not self._outage.should_try():
-            return
-        generation = self._index.start_scan()  # (keys written meanwhile are not dropped)
-        listing = ScanListing()
-        try:
-            pages = iter(self._s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self.config.bucket, Prefix=self._root))
-            while True:
-                with request_deadline(self.config.request_timeout_s):  # one page each
-                    page = next(pages, None)
-                if page is None:
-                    break
-                if self._refresher.stopping.is_set():
-                    return  # closing: an unfinished listing must not drop anything
-                for obj in page.get("Contents", []):
-                    key = self._key_of(obj["Key"])
-                    if key is not None:
-                        listing.add(key, obj["Size"], obj["LastModified"].timestamp())
-            self._outage.succeeded()
-        except (BotoCoreError, ClientError, OSError) as e:
-            self._trouble("refresh", e)
-            return
-        merged = self._index.merge_scan(listing, generation)
-        self._delete(self._index.evict_to_budget())
-        self._book.count("refreshes")
-        self._book.count("keys_adopted", n=merged.added)
-        self._book.count("keys_vanished", n=merged.dropped)
+        """List the whole prefix now: adopt others' objects, drop vanished ones, evict to
+        budget (the background thread lists a few pages per poll instead: listing.py)."""
+        self._listing.full()
+
+    def poll_listing(self) -> None:
+        """One bounded step of the background listing (its thread's, every
+        ``refresh_interval_s``): at most ``list_pages_per_refresh`` pages."""
+        self._listing.poll()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -268,12 +244,6 @@ class S3Tier(StorageTier):
 
     def _generation_name(self) -> str:
         return self._root + "generation"  # (not hex: a listing never takes it for a key)
-
-    def _key_of(self, name: str) -> bytes | None:
-        try:
-            return bytes.fromhex(name[len(self._root):]) or None
-        except ValueError:
-            return None  # not one of ours
 
     def _write_one(self, job: Job, i: int, key: bytes, buf: torch.Tensor, size: int,
                    reservation: Reservation) -> None:

@@ -1,0 +1,47 @@
+"""The boto3 client of the S3 tier: bounded waits, no second checksum, cheap timestamps.
+
+Contents:
+- `make_client(config)`: an S3 client with the tier's timeouts, retries and connection pool.
+- `parse_timestamp`: the timestamp parser its responses use.
+
+Why a parser of our own: a listing page holds 1000 ``LastModified`` timestamps, and
+botocore's default parser (dateutil) took ~60% of the CPU of a page (62 ms of CPU per 1000
+objects against moto here, 23 ms with this one). ISO 8601, what listings send, is parsed by
+``datetime.fromisoformat`` (C); any other form (an HTTP date in a header) goes to botocore's
+own parser, so every timestamp is still a ``datetime``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import boto3
+import botocore.session
+from botocore.config import Config as BotoConfig
+from botocore.utils import parse_timestamp as botocore_timestamp
+
+from kv_offload.backends.s3.config import S3TierConfig
+
+
+def parse_timestamp(value: str) -> datetime:
+    try:
+        return datetime.fromisoformat(value)  # (Python 3.11+: accepts the trailing "Z")
+    except (TypeError, ValueError):
+        return botocore_timestamp(value)
+
+
+def make_client(config: S3TierConfig):
+    """A client of its own session (the parser setting stays with it)."""
+    session = botocore.session.get_session()
+    session.get_component("response_parser_factory").set_parser_defaults(
+        timestamp_parser=parse_timestamp)
+    style = config.addressing_style or ("path" if config.endpoint_url else "auto")
+    return boto3.session.Session(botocore_session=session).client(
+        "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
+        config=BotoConfig(
+            connect_timeout=config.connect_timeout_s, read_timeout=config.timeout_s,
+            retries={"max_attempts": config.max_attempts, "mode": "standard"},
+            max_pool_connections=config.connections + 2, s3={"addressing_style": style},
+            # Our records carry their own xxh3 checksum: no second one per request.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required"))
