@@ -118,8 +118,10 @@ def test_keys_whose_slots_moved_to_another_primary_are_still_read_and_written(cl
 
 def test_a_killed_primary_costs_misses_on_its_keys_only_until_its_replica_takes_over(
         own_cluster):
+    # (a retry interval longer than the test's reads: jittered down to a tenth of it, the
+    # dead node's outage still covers the second read on a loaded machine)
     tier = make_tier(own_cluster.url, timeout_s=0.5, connect_timeout_s=0.5,
-                     retry_interval_s=2.0, request_timeout_s=2.0)
+                     retry_interval_s=10.0, request_timeout_s=2.0)
     keys, data = keys_and_data(90, 5)
     assert write(tier, keys, data).ok
     victim = own_cluster.primary_of(tier._name(keys[0]))
@@ -130,11 +132,12 @@ def test_a_killed_primary_costs_misses_on_its_keys_only_until_its_replica_takes_
     assert not any(read(tier, on_victim, out).succeeded)
     skipped, start = tier.stats()["failed_fast"], time.monotonic()
     assert not any(read(tier, on_victim, out).succeeded)  # this node's outage: at once
-    assert time.monotonic() - start < 0.5 and tier.stats()["failed_fast"] > skipped
+    # (no network wait: well under one socket timeout plus the request deadline)
+    assert time.monotonic() - start < 1.0 and tier.stats()["failed_fast"] > skipped
     others = [torch.empty(BLOCK, dtype=torch.uint8) for _ in elsewhere]
     assert read(tier, elsewhere, others).ok  # the other primaries still serve
     own_cluster.wait_until_ready(30)  # the replica is promoted
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30
     while not (result := read(tier, on_victim, out)).ok and time.monotonic() < deadline:
         time.sleep(0.3)
     assert result.ok, "the new primary did not serve the keys of the killed one"
