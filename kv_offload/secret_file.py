@@ -20,13 +20,16 @@ MIN_SECRET_BYTES = 16
 CREATE_HINT = "create one with: (umask 077; openssl rand -hex 32 > {path})"
 
 
-def read_secret(path: str, *, key: str = "secret_file") -> bytes:
-    """The secret held in ``path``, after the checks above (``key`` names the config key)."""
+def read_private_file(path: str, key: str, what: str, *, max_bytes: int = 1 << 16) -> bytes:
+    """The bytes of ``path`` (at most ``max_bytes``), a credential named by config key ``key``
+    that holds ``what``: a regular file this process can read, readable and writable by its
+    owner only. Every failure is a ``ConfigError`` naming the key, the path and the fix, never
+    the content. Opened without blocking (a FIFO planted there must not hang the engine)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(f"{key} {path!r} does not exist; "
-                          + CREATE_HINT.format(path=path)) from None
+        raise ConfigError(f"{key} {path!r} does not exist; expected a file holding {what}") \
+            from None
     except OSError as e:
         raise ConfigError(f"{key} {path!r} cannot be opened ({e.strerror}); expected a file "
                           f"this process can read") from None
@@ -34,16 +37,27 @@ def read_secret(path: str, *, key: str = "secret_file") -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{key} {path!r} is not a regular file; expected a file holding "
-                              f"the shared secret")
+                              f"{what}")
         if st.st_mode & 0o077:
             raise ConfigError(f"{key} {path!r} can be read or written by group/other (mode "
                               f"{stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
         with os.fdopen(os.dup(fd), "rb") as f:
-            secret = f.read(1 << 16).strip()
+            raw = f.read(max_bytes + 1)
     except OSError as e:
         raise ConfigError(f"{key} {path!r} cannot be read ({e.strerror})") from None
     finally:
         os.close(fd)
+    if len(raw) > max_bytes:
+        raise ConfigError(f"{key} {path!r} is larger than {max_bytes} bytes; expected a file "
+                          f"holding {what}")
+    return raw
+
+
+def read_secret(path: str, *, key: str = "secret_file") -> bytes:
+    """The secret held in ``path``, after the checks above (``key`` names the config key)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{key} {path!r} does not exist; " + CREATE_HINT.format(path=path))
+    secret = read_private_file(path, key, "the shared secret").strip()
     if not secret:
         raise ConfigError(f"{key} {path!r} is empty; " + CREATE_HINT.format(path=path))
     if len(secret) < MIN_SECRET_BYTES:

@@ -110,7 +110,7 @@ def test_a_password_file_others_can_read_is_refused_at_start(tmp_path, mode):
 
 
 def test_a_missing_or_empty_password_file_is_refused_at_start(tmp_path):
-    with pytest.raises(ConfigError, match="cannot be opened"):
+    with pytest.raises(ConfigError, match="absent. does not exist; expected a file holding"):
         ValkeyTier.check_options({"url": "redis://127.0.0.1:6379/0",
                                   "password_file": str(tmp_path / "absent")})
     with pytest.raises(ConfigError, match="is empty"):

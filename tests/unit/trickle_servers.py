@@ -57,7 +57,24 @@ def _read_command(rfile) -> list[bytes] | None:
     return args
 
 
-class TrickleRespServer:
+class _Serving:
+    """A loopback socket server run on a daemon thread, as a context manager."""
+
+    def _serve(self, server) -> None:
+        server.daemon_threads = True
+        self._server, self.port = server, server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.trickle.stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class TrickleRespServer(_Serving):
     """A RESP server on 127.0.0.1 whose read replies trickle (a context manager)."""
 
     def __init__(self, interval_s: float = 0.2, trickle_for_s: float = 20.0) -> None:
@@ -79,22 +96,11 @@ class TrickleRespServer:
                     self.wfile.flush()
 
         ThreadingTCPServer.allow_reuse_address = True
-        self._server = ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._serve(ThreadingTCPServer(("127.0.0.1", 0), Handler))
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.trickle.stop.set()
-        self._server.shutdown()
-        self._server.server_close()
 
 
 def _absent(name: bytes) -> bytes:
@@ -116,7 +122,7 @@ def _reply(name: bytes) -> bytes:
     return b"+OK\r\n"  # CLIENT SETINFO, SET, ...
 
 
-class TrickleS3Server:
+class TrickleS3Server(_Serving):
     """An HTTP server on 127.0.0.1 that stores nothing, lists nothing, accepts every PUT
     and answers every object GET by trickling its body (a context manager)."""
 
@@ -152,19 +158,8 @@ class TrickleS3Server:
                 trickle.drip(self.wfile)
                 self.close_connection = True
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._serve(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
 
     @property
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.trickle.stop.set()
-        self._server.shutdown()
-        self._server.server_close()

@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from kv_offload.backends.options import check_remote_bounds, option
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
+from kv_offload.secret_file import read_private_file
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 
@@ -157,26 +158,7 @@ def read_password(path: str) -> str:
     """The password in ``path`` (one line; a trailing newline is not part of it). Raises
     ``ConfigError`` (naming the file, never its content) if it is missing, not a regular
     file, readable by group or others, or empty."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(f"storage_options.password_file {path!r} cannot be opened: "
-                          f"{e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"storage_options.password_file {path!r} is not a regular file")
-        if st.st_mode & 0o077:
-            raise ConfigError(f"storage_options.password_file {path!r} has mode "
-                              f"{stat.S_IMODE(st.st_mode):04o}: group or others may read it; "
-                              f"expected 0600 or stricter (chmod 600 {path})")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(64 * 1024 + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > 64 * 1024:
-        raise ConfigError(f"storage_options.password_file {path!r} is larger than 64 KiB; "
-                          f"expected one line holding the password")
+    raw = read_private_file(path, "storage_options.password_file", "the server's password")
     try:
         password = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError:  # (its message would quote a byte of the password)
