@@ -58,7 +58,7 @@ class SchedulerRecovery:
         the request's: vLLM then recomputes it from its first block)."""
         pending = self._pending_hits.pop(request_id, None)
         self._loads.pop(request_id, None)
-        if request_id in self._in_step or (pending is not None and not pending[2]):
+        if request_id in self._in_step or (pending is not None and not pending.load_async):
             self._in_step = [r for r in self._in_step if r != request_id]
             self._failed_blocks.extend(block_ids)
             return

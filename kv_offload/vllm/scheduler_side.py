@@ -54,6 +54,15 @@ class _Request:
 
 
 @dataclass(frozen=True)
+class PendingHit:
+    """A hit answered to vLLM, waiting for the blocks vLLM allocates for it."""
+
+    hit: Any  # CacheHit
+    local_tokens: int  # the engine's own prefix hit, before ours
+    load_async: bool  # False: loaded in the step that runs the request (in_step_loads.py)
+
+
+@dataclass(frozen=True)
 class LookupResult:
     """What `get_num_new_matched_tokens` learnt, for stats (once per request): hit tokens
     beyond the engine's own prefix hit."""
@@ -84,8 +93,7 @@ class OffloadScheduler(SchedulerRecovery):
         self._states = BoundaryStateStores(specs, hash_block_size)
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
-        # req -> (CacheHit, local tokens, load asynchronously)
-        self._pending_hits: dict[str, tuple[Any, int, bool]] = {}
+        self._pending_hits: dict[str, PendingHit] = {}
         self._loads: dict[str, GroupBlocks] = {}
         self._in_step: list[str] = []  # of `_loads`: the ones done before this step's forward
         self._failed_loads: list[str] = []
@@ -128,7 +136,8 @@ class OffloadScheduler(SchedulerRecovery):
             return 0, False, result
         load_async = not self.in_step.fits(
             hit, num_computed_tokens, self._keys, lambda g, i: self._hash_of(request, g, i))
-        self._pending_hits[request.request_id] = (hit, num_computed_tokens, load_async)
+        self._pending_hits[request.request_id] = PendingHit(hit, num_computed_tokens,
+                                                            load_async)
         return hit.num_tokens - num_computed_tokens, load_async, result
 
     def _longest_hit(self, request: Any, num_computed_tokens: int):
@@ -145,7 +154,7 @@ class OffloadScheduler(SchedulerRecovery):
         pending = self._pending_hits.pop(request.request_id, None)
         if num_external_tokens == 0 or pending is None:
             return
-        hit, local_tokens, load_async = pending
+        hit, local_tokens = pending.hit, pending.local_tokens
         plan: GroupBlocks = {}
         for g, spec in enumerate(self.specs):
             first = local_tokens // spec.block_size  # the engine has the blocks before this
@@ -159,7 +168,7 @@ class OffloadScheduler(SchedulerRecovery):
                 plan[g] = (hashes, ids)
                 self.events.record_blocks(request, g, blocks)
         self._loads[request.request_id] = plan
-        if load_async:
+        if pending.load_async:
             self._requests[request.request_id].loading = True
         else:  # loaded before this step's forward, which runs the request
             self._in_step.append(request.request_id)
