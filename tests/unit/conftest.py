@@ -91,3 +91,17 @@ def make_bucket(endpoint_url: str) -> str:
     name = unique_name("kv-test")
     boto3.client("s3", endpoint_url=endpoint_url).create_bucket(Bucket=name)
     return name
+
+
+def shared_tier_options(backend: str, request: pytest.FixtureRequest, stem: str) -> dict:
+    """`storage_options` of a fresh namespace on this session's loopback server of
+    `backend` ("valkey": a key prefix; "s3": a new bucket), background listing off."""
+    if backend == "valkey":
+        pytest.importorskip("redis")
+        server = request.getfixturevalue("valkey_server")
+        return {"url": server.url, "key_prefix": unique_name(stem) + ":",
+                "refresh_interval_s": 0}
+    pytest.importorskip("boto3")
+    server = request.getfixturevalue("s3_server")
+    return {"bucket": make_bucket(server.endpoint_url), "bytes_to_use": "64MiB",
+            "endpoint_url": server.endpoint_url, "refresh_interval_s": 0}

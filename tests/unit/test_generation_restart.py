@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import make_bucket, unique_name
+from conftest import shared_tier_options
 from test_tiering import block_bytes, h, hybrid, wait_for_storage
 
 from kv_offload.backends.base import StorageTier
@@ -25,16 +25,7 @@ def config_for(request, tmp_path, backend: str, **extra):
     if backend == "filesystem":
         return parse_config({"cpu_bytes_to_use": "8MiB", "fs_root_dir": str(tmp_path / "root"),
                              "fs_bytes_to_use": "64MiB", **extra})
-    if backend == "valkey":
-        pytest.importorskip("redis")
-        server = request.getfixturevalue("valkey_server")
-        options = {"url": server.url, "key_prefix": unique_name("gen") + ":",
-                   "refresh_interval_s": 0}
-    else:
-        pytest.importorskip("boto3")
-        server = request.getfixturevalue("s3_server")
-        options = {"bucket": make_bucket(server.endpoint_url), "bytes_to_use": "64MiB",
-                   "endpoint_url": server.endpoint_url, "refresh_interval_s": 0}
+    options = shared_tier_options(backend, request, "gen")
     return parse_config({"cpu_bytes_to_use": "8MiB", "storage_tier": backend,
                          "storage_options": options, **extra})
 

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from conftest import make_bucket, unique_name
+from conftest import shared_tier_options
 from test_tiering import block_bytes, h, hybrid, wait_for_storage
 
 from kv_offload.backends import BUILTIN_TIERS, make_storage_tier, tier_class
@@ -185,16 +185,7 @@ def test_tiered_store_serves_a_new_process_from_the_shared_tier(request, backend
     """Two TieredStores (two engines) on one server: the second has an empty host tier and
     loads what the first stored, bit for bit, through the shared tier."""
     buffer, canonical = hybrid()
-    if backend == "valkey":
-        pytest.importorskip("redis")
-        server = request.getfixturevalue("valkey_server")
-        options = {"url": server.url, "key_prefix": unique_name("tiered") + ":",
-                   "refresh_interval_s": 0}
-    else:
-        pytest.importorskip("boto3")
-        server = request.getfixturevalue("s3_server")
-        options = {"bucket": make_bucket(server.endpoint_url), "bytes_to_use": "64MiB",
-                   "endpoint_url": server.endpoint_url, "refresh_interval_s": 0}
+    options = shared_tier_options(backend, request, "tiered")
     config = parse(backend, options)
     fingerprint = layout_fingerprint(canonical, "test-model")
     first = TieredStore.from_config(canonical, config, fingerprint)
