@@ -62,10 +62,22 @@ def make_engine(model_dir, extra: dict) -> Engine:
 
 
 @pytest.fixture
-def engine(llama_dir):
-    engine = make_engine(llama_dir, ASYNC_ONLY)
-    yield engine
-    engine.runner.worker.shutdown()
+def engines(llama_dir):
+    """`start(extra_config)` -> an Engine; every engine started is shut down after the test."""
+    started: list[Engine] = []
+
+    def start(extra: dict) -> Engine:
+        started.append(make_engine(llama_dir, extra))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.runner.worker.shutdown()
+
+
+@pytest.fixture
+def engine(engines):
+    return engines(ASYNC_ONLY)
 
 
 def test_vllm_runs_a_request_whose_full_blocks_the_connector_stores(engine):
@@ -144,10 +156,8 @@ def test_after_vllm_resets_the_connector_the_same_prompt_misses(engine):
 
 
 @pytest.fixture
-def in_step_engine(llama_dir):
-    engine = make_engine(llama_dir, IN_STEP)
-    yield engine
-    engine.runner.worker.shutdown()
+def in_step_engine(engines):
+    return engines(IN_STEP)
 
 
 def test_a_host_hit_loads_inside_the_step_that_runs_its_request(in_step_engine):
