@@ -1,5 +1,9 @@
 """kv-offload: offload the KV cache of LLM serving engines to host memory and disk."""
 
+# The one place the version is written: pyproject.toml reads it (setuptools' `attr:`, parsed
+# without importing torch), `kv-offload --version` and every JSON envelope print it.
+__version__ = "0.1.0"
+
 from kv_offload import builtin_rules as _builtin_rules  # noqa: F401  (registers built-in specs)
 from kv_offload.canonical import CanonicalKVCaches, CanonicalRef, CanonicalTensor, canonicalize
 from kv_offload.errors import (
@@ -28,6 +32,7 @@ from kv_offload.specs import (
 )
 
 __all__ = [
+    "__version__",
     "AttentionSpec",
     "CacheHit",
     "CanonicalKVCaches",

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from kv_offload.errors import BenchArgumentError, ConfigError
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS
-from kv_offload.tools.report import STATISTIC, Table, emit, envelope
+from kv_offload.tools.report import STATISTIC, Table, emit, envelope, output_path
 
 BUILTIN_BACKENDS = ("cpu", "filesystem", "valkey", "s3")
 COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
@@ -62,7 +62,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per key: cpu: the page of a synthetic model (overrides "
                              "--model); tiers: value sizes, a sweep (default: filesystem "
                              "2048; valkey/s3 1024 4096 16384)")
-    common.add_argument("--json", metavar="PATH",
+    common.add_argument("--json", metavar="PATH", type=output_path,
                         help="write the results here ('-': stdout, the table to stderr)")
     cpu = parser.add_argument_group("--backend cpu")
     cpu.add_argument("--model", choices=sorted(EXAMPLE_MODELS), default=None,

@@ -5,6 +5,11 @@ Every subcommand prints its table(s) with `report.Table`, writes `--json PATH` a
 envelope (`report.envelope`: command, version, statistic, results; `--json -` writes it to
 stdout and the tables to stderr), shows progress of long runs on stderr, and exits 0 when
 everything checked out, 1 on any mismatch or failed key, 2 on arguments it cannot honour.
+
+The help a user reads (`DESCRIPTION`, each subcommand's description) says what the command
+does and promises, never how this package is built: the module docstrings are for developers.
+Each subcommand's parser is a `report.SubcommandParser`, so a flag it does not know is
+reported with that subcommand's usage.
 """
 
 from __future__ import annotations
@@ -12,33 +17,64 @@ from __future__ import annotations
 import argparse
 import sys
 
+import kv_offload
+from kv_offload.tools.report import SubcommandParser
+
+DESCRIPTION = """\
+Offload the KV cache of vLLM to host memory, disk and shared stores: see it work (demo),
+look at what would be offloaded (inspect), measure the tiers (bench), check a running
+server (serve-check).
+
+Every subcommand prints a table; --json PATH also writes the results as JSON ('-': the
+JSON to stdout, the table to stderr). Progress goes to stderr. Exit status: 0 when
+everything checked out, 1 on any mismatched output or failed key, 2 on bad arguments.
+Run 'kv-offload COMMAND --help' for a command's flags."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kv-offload", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="kv-offload", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {kv_offload.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=SubcommandParser)
 
-    from kv_offload.tools.demo import add_demo_arguments, run_demo
+    from kv_offload.tools import demo as demo_cmd
 
-    demo = commands.add_parser("demo", help="vLLM with the connector: cold, CPU-tier, disk passes")
-    add_demo_arguments(demo)
-    demo.set_defaults(run=run_demo)
+    demo = commands.add_parser(
+        "demo", help="vLLM with the connector: cold, CPU-tier, disk passes",
+        description=demo_cmd.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo_cmd.add_demo_arguments(demo)
+    demo.set_defaults(run=demo_cmd.run_demo)
 
     from kv_offload.tools.inspect_cmd import add_inspect_arguments, run_inspect
 
-    inspect = commands.add_parser("inspect", help="canonicalise the example models, show pages")
+    inspect = commands.add_parser(
+        "inspect", help="canonicalise the example models, show pages",
+        description="Lay out each example model's KV cache as vLLM would, and print per model "
+                    "its cache groups, unique tensors, page sizes and the bytes offloaded per "
+                    "block. Needs no vLLM.")
     add_inspect_arguments(inspect)
     inspect.set_defaults(run=run_inspect)
 
     from kv_offload.tools.serve_check import add_serve_check_arguments, run_serve_check
 
     serve_check = commands.add_parser(
-        "serve-check", help="verify a running vLLM server: hits from kv-offload, same outputs")
+        "serve-check", help="verify a running vLLM server: hits from kv-offload, same outputs",
+        description="Send prompts to a running vLLM server twice (around a reset of vLLM's "
+                    "own prefix cache) and check that the second time is served from "
+                    "kv-offload with the same outputs.")
     add_serve_check_arguments(serve_check)
     serve_check.set_defaults(run=run_serve_check)
 
     from kv_offload.tools.bench import add_bench_arguments, run_bench
 
-    bench = commands.add_parser("bench", help="measure store/load throughput of a backend")
+    bench = commands.add_parser(
+        "bench", help="measure store/load throughput of a backend",
+        description="Store and load throughput of one tier against a baseline measured in "
+                    "the same run (a plain copy, raw disk I/O, or the disk tier), every "
+                    "byte checked.")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
     return parser

@@ -2,16 +2,18 @@
 
 Builds a small local model (random weights, no download, cached under ~/.cache/kv-offload):
 Llama-like (`--model llama`, the default) or a Qwen3-Next-like hybrid of GatedDeltaNet and
-full-attention layers (`--model qwen3_next`: its recurrent state is offloaded beside the
-attention blocks), then runs the real vLLM engine with KVOffloadConnector over the same long
-prompts three times:
+full-attention layers (`--model qwen3-next`: its recurrent state is offloaded beside the
+attention blocks), then runs the real vLLM engine with KVOffloadConnector over long prompts in
+three passes (`DESCRIPTION`, what `--help` shows).
 
-  cold     first pass, every token is computed (and stored by the connector);
-  cpu      after `llm.reset_prefix_cache()`: vLLM's own cache is gone, ours is not;
-  disk     a new engine process with the same disk directory: only the disk tier remains.
+Every pass is timed `--repeats` times, each repeat on its own set of prompts (a repeated cold
+pass over the same prompts would be a hit); the table shows the median, the JSON every sample.
+One timing per pass let a loaded machine print a disk pass slower than recompute.
 
 Every engine runs in a child process (`python -m kv_offload.tools.demo --child SPEC`) so vLLM's logs
 stay quiet and its process rules hold. Greedy decoding: each pass must give the cold tokens.
+Model names are spelled as `kv-offload inspect`/`bench` spell them (`qwen3-next`); the old
+`qwen3_next` is still accepted with a deprecation note.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,31 +32,48 @@ from pathlib import Path
 from typing import Any
 
 from kv_offload.testing.tiny_vocab import word_prompt
-from kv_offload.tools.report import Progress, Table, emit, envelope, positive_int
+from kv_offload.tools.report import Progress, Table, emit, envelope, output_path, positive_int
+
+DESCRIPTION = """\
+Build a small random-weight model (no download), run the real vLLM engine with the
+KVOffloadConnector over long prompts, and show where the KV cache came from:
+
+  cold  every token is computed (and stored by the connector);
+  cpu   after vLLM's own prefix cache is reset: served from kv-offload's host memory;
+  disk  in a new engine process: served from kv-offload's disk tier.
+
+Each pass runs --repeats times on fresh prompts; the table shows the median time.
+Exit status 1 if any pass generates other tokens than the cold pass."""
 
 # Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2},
     "small": {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4},
 }
-# The models `--model` builds (by the same name in kv_offload.testing.tiny_models.BUILDERS)
-# and their sizes.
+# The models `--model` builds ("builder": its name in kv_offload.testing.tiny_models.BUILDERS)
+# and their sizes. Names are spelled as the example models of `inspect`/`bench` spell them.
 MODELS: dict[str, dict[str, Any]] = {
-    "llama": {"title": "Llama-like", "sizes": MODEL_SIZES},
+    "llama": {"title": "Llama-like", "builder": "llama", "sizes": MODEL_SIZES},
     # GatedDeltaNet layers with a full-attention layer every 4th; vLLM grows the blocks of
     # this hybrid to 64 tokens so the attention page covers the recurrent state.
-    "qwen3_next": {"title": "Qwen3-Next-like hybrid",
+    "qwen3-next": {"title": "Qwen3-Next-like hybrid", "builder": "qwen3_next",
                    "sizes": {"tiny": {"layers": 4, "hidden": 128},
                              "small": {"layers": 8, "hidden": 256}}},
 }
+# Old spellings still accepted (with a note on stderr): the name each now has.
+DEPRECATED_MODEL_NAMES = {"qwen3_next": "qwen3-next"}
 DEFAULT_PROMPT_TOKENS = {"tiny": 300, "small": 1500}
+DEFAULT_REPEATS = 3
 ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB", "fs_bytes_to_use": "4GiB"}
 
 
 @dataclass(frozen=True)
 class PassResult:
-    """One pass over all prompts, as printed in the table and written to JSON."""
+    """One pass, as printed in the table and written to JSON: `seconds` is the median of
+    `samples` (one per repeat, each over its own prompts); `prompt_tokens`, `cached_tokens`
+    and `requests` are those of the first repeat, `identical` holds for every repeat and
+    `cached_tokens_min` is the fewest cached tokens of any repeat."""
 
     name: str
     source: str
@@ -64,10 +84,12 @@ class PassResult:
     speedup: float
     identical: bool
     requests: list[dict[str, Any]]
+    samples: list[float]
+    cached_tokens_min: int
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama",
+    parser.add_argument("--model", type=_model_name, choices=sorted(MODELS), default="llama",
                         help="the architecture of the local model (default: llama)")
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
                         help="size of the local random-weight model (default: small)")
@@ -77,6 +99,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per prompt (default 1500, 300 for --model-size tiny)")
     parser.add_argument("--max-tokens", type=positive_int, default=4,
                         help="tokens generated per prompt")
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS,
+                        help="timed runs per pass, each on fresh prompts; the median is "
+                             f"shown (default {DEFAULT_REPEATS})")
     parser.add_argument("--cache-dir", type=Path,
                         help="where the model is built (default ~/.cache/kv-offload)")
     parser.add_argument("--work-dir", type=Path,
@@ -84,8 +109,18 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "removed afterwards)")
     parser.add_argument("--no-connector", action="store_true",
                         help="baseline: the same passes without KVOffloadConnector")
-    parser.add_argument("--json", metavar="PATH",
+    parser.add_argument("--json", metavar="PATH", type=output_path,
                         help="also write the results to this file ('-': stdout)")
+
+
+def _model_name(text: str) -> str:
+    """An argparse type: a `--model` name, the old spelling mapped to the new with a note."""
+    if text in DEPRECATED_MODEL_NAMES:
+        new = DEPRECATED_MODEL_NAMES[text]
+        print(f"kv-offload demo: --model {text} is deprecated, use --model {new}",
+              file=sys.stderr)
+        return new
+    return text
 
 
 def model_dir(size: str, cache_dir: Path | None = None, model: str = "llama") -> Path:
@@ -95,12 +130,14 @@ def model_dir(size: str, cache_dir: Path | None = None, model: str = "llama") ->
 
     default_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kv-offload"
     root = cache_dir or default_root
-    path = root / (f"demo-model-{size}" if model == "llama" else f"demo-model-{model}-{size}")
+    builder = MODELS[model]["builder"]
+    # (the folder keeps the builder's name: models built before the rename are reused)
+    path = root / (f"demo-model-{size}" if model == "llama" else f"demo-model-{builder}-{size}")
     marker = path / "kv_offload_demo.json"
     sizes = MODELS[model]["sizes"][size]
     if marker.exists() and json.loads(marker.read_text()) == sizes:
         return path
-    build = tiny_models.BUILDERS[model]
+    build = tiny_models.BUILDERS[builder]
     print(f"building the {size} {model} demo model in {path} ...", file=sys.stderr, flush=True)
     building = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=_mkdir(root)))
     build(building, max_positions=4096, **sizes)
@@ -129,9 +166,12 @@ def kv_transfer_config(fs_root_dir: Path) -> dict[str, Any]:
 def run_demo(args: argparse.Namespace) -> int:
     """Exit status 1 when a pass's tokens differ from the cold pass's."""
     prompt_tokens = args.prompt_tokens or DEFAULT_PROMPT_TOKENS[args.model_size]
-    # Distinct first words: no two prompts share a prefix block.
-    prompts = [word_prompt(prompt_tokens, offset=101 * i) for i in range(args.prompts)]
-    warmup_prompts = [word_prompt(prompt_tokens, offset=101 * i + 50) for i in range(args.prompts)]
+    # Distinct first words: no two prompts (of any repeat's set, or the warm-up) share a
+    # prefix block.
+    n = args.prompts
+    prompt_sets = [[word_prompt(prompt_tokens, offset=101 * (r * n + i)) for i in range(n)]
+                   for r in range(args.repeats)]
+    warmup_prompts = [word_prompt(prompt_tokens, offset=101 * i + 50) for i in range(n)]
     progress = Progress(3, "demo")
     progress.step(f"the {args.model_size} {args.model} model")
     model = model_dir(args.model_size, args.cache_dir, args.model)
@@ -140,7 +180,7 @@ def run_demo(args: argparse.Namespace) -> int:
         transfer = None if args.no_connector else kv_transfer_config(_mkdir(work / "disk"))
         spec = {
             "model": str(model),
-            "prompts": prompts,
+            "prompt_sets": prompt_sets,
             "warmup_prompts": warmup_prompts,
             "max_tokens": args.max_tokens,
             "max_model_len": _round_up(prompt_tokens + args.max_tokens + 1, ENGINE_BLOCK_SIZE),
@@ -164,6 +204,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "num_prompts": args.prompts,
         "tokens_per_prompt": prompt_tokens,
         "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
         "engine_start_s": [first["engine_start_s"], second["engine_start_s"]],
         "passes": [asdict(r) for r in results],
         "outputs_identical": same,
@@ -187,23 +228,31 @@ SOURCES = {
 
 
 def _pass_results(passes: list[dict[str, Any]], no_connector: bool) -> list[PassResult]:
+    """Each pass's repeats against the cold pass's repeat over the same prompts."""
     cold = passes[0]
-    cold_tokens = [r["token_ids"] for r in cold["requests"]]
+    cold_tokens = [[r["token_ids"] for r in run["requests"]] for run in cold["runs"]]
+    cold_seconds = statistics.median(run["seconds"] for run in cold["runs"])
     results = []
     for process, p in zip((1, 1, 2), passes):
         source = SOURCES[p["name"]]
         if no_connector and p["name"] != "cold":
             source = "recompute (no connector)"
+        runs = p["runs"]
+        seconds = statistics.median(run["seconds"] for run in runs)
+        cached = [sum(r["num_cached_tokens"] for r in run["requests"]) for run in runs]
         results.append(PassResult(
             name=p["name"],
             source=source,
             engine_process=process,
-            prompt_tokens=sum(r["prompt_len"] for r in p["requests"]),
-            cached_tokens=sum(r["num_cached_tokens"] for r in p["requests"]),
-            seconds=p["seconds"],
-            speedup=cold["seconds"] / p["seconds"],
-            identical=[r["token_ids"] for r in p["requests"]] == cold_tokens,
-            requests=p["requests"],
+            prompt_tokens=sum(r["prompt_len"] for r in runs[0]["requests"]),
+            cached_tokens=cached[0],
+            seconds=seconds,
+            speedup=cold_seconds / seconds,
+            identical=all([r["token_ids"] for r in run["requests"]] == cold_tokens[i]
+                          for i, run in enumerate(runs)),
+            requests=runs[0]["requests"],
+            samples=[run["seconds"] for run in runs],
+            cached_tokens_min=min(cached),
         ))
     return results
 
@@ -214,16 +263,21 @@ def _table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: i
     mode = "without connector (baseline)" if args.no_connector else "with KVOffloadConnector"
     table = Table(
         f"kv-offload demo, {mode}: {args.prompts} prompts x {prompt_tokens} tokens, "
-        f"{args.max_tokens} generated each, greedy; {MODELS[args.model]['title']} "
+        f"{args.max_tokens} generated each, greedy, {_timed(args.repeats)}; "
+        f"{MODELS[args.model]['title']} "
         f"{sizes['layers']} layers, hidden {sizes['hidden']} "
         f"(engine start {runs[0]['engine_start_s']:.1f} s, {runs[1]['engine_start_s']:.1f} s)",
-        ("pass", "engine", "source", "prompt tokens", "from cache", "seconds", "speed-up",
-         "same output"))
+        ("pass", "engine", "source", "prompt tokens", "from cache",
+         "seconds" if args.repeats == 1 else "median s", "speed-up", "same output"))
     for r in results:
         table.add(r.name, f"process {r.engine_process}", r.source, r.prompt_tokens,
                   r.cached_tokens, f"{r.seconds:.3f}", f"{r.speedup:.1f}x",
                   "yes" if r.identical else "NO")
     return table
+
+
+def _timed(repeats: int) -> str:
+    return "one timed run per pass" if repeats == 1 else f"median of {repeats} timed runs"
 
 
 def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -270,17 +324,20 @@ def child_main(spec_path: Path) -> int:
     llm.generate(spec["warmup_prompts"], params, use_tqdm=False)
     passes = []
     for name in spec["passes"]:
-        if name == "cpu" and not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache")
-        t0 = time.perf_counter()
-        outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        passes.append({"name": name, "seconds": seconds, "requests": [
-            {"prompt_len": len(out.prompt_token_ids),
-             "num_cached_tokens": out.num_cached_tokens,
-             "token_ids": list(out.outputs[0].token_ids)}
-            for out in outputs
-        ]})
+        runs = []
+        for prompts in spec["prompt_sets"]:
+            if name == "cpu" and not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache")
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            runs.append({"seconds": seconds, "requests": [
+                {"prompt_len": len(out.prompt_token_ids),
+                 "num_cached_tokens": out.num_cached_tokens,
+                 "token_ids": list(out.outputs[0].token_ids)}
+                for out in outputs
+            ]})
+        passes.append({"name": name, "runs": runs})
     Path(spec["result_path"]).write_text(json.dumps(
         {"engine_start_s": engine_start_s, "passes": passes}))
     # Let vLLM shut the engine down now: its finalizers call the connector's shutdown,
@@ -291,7 +348,8 @@ def child_main(spec_path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kv-offload demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kv-offload demo", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     add_demo_arguments(parser)
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ from kv_offload.canonical import canonicalize
 from kv_offload.config import format_size
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
-from kv_offload.tools.report import Table, emit, envelope, positive_int
+from kv_offload.tools.report import Table, emit, envelope, output_path, positive_int
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine KV-cache layout to allocate (default LBNHC)")
     parser.add_argument("--num-blocks", type=positive_int, default=4,
                         help="blocks to allocate per layer (default 4)")
-    parser.add_argument("--json", metavar="PATH",
+    parser.add_argument("--json", metavar="PATH", type=output_path,
                         help="also write the tables as JSON ('-': stdout)")
 
 

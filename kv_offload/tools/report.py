@@ -9,6 +9,10 @@ Contents:
   writes the envelope to stdout and moves the table to stderr, so stdout parses as JSON.
 - `Progress`: a one-line progress bar on stderr for long runs (bench sweeps, the demo).
 - `positive_int`: the argparse type of every count flag (0 or less: exit status 2).
+- `output_path`: the argparse type of every ``--json``/``--plot`` flag: a file whose folder
+  exists and is writable, checked before anything runs (a long run must not end in a crash).
+- `SubcommandParser`: a subcommand's parser that refuses flags it does not know itself, so
+  the error shows that subcommand's usage, not the top-level one.
 
 Why one module: a user reads several subcommands' output side by side (and scripts parse
 their JSON); one printer and one envelope keep them alike. The exit status rule lives with
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import kv_offload
 
 # Every benchmark keeps the best of its repeats (the least disturbed run on a shared machine);
 # every sample stays in the JSON ("samples"), so a reader can take another statistic.
@@ -33,11 +39,9 @@ STATISTIC = "best"
 
 
 def version() -> str:
-    """The installed kv-offload version (a source tree that was never installed says so)."""
-    try:
-        return metadata.version("kv-offload")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    """The version of the kv_offload package that runs (`kv_offload.__version__`, the one
+    place it is written; an installed distribution's metadata is read from it)."""
+    return kv_offload.__version__
 
 
 def envelope(command: str, results: Any, statistic: str | None = None) -> dict[str, Any]:
@@ -139,3 +143,34 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def output_path(text: str) -> str:
+    """An argparse type: ``-`` (stdout) or a file path whose folder exists and is writable.
+
+    Checked when the arguments are parsed, so a mistyped path is exit status 2 at once rather
+    than a crash after the whole run."""
+    if text == "-":
+        return text
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(folder)!r} is not writable")
+    return text
+
+
+class SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a flag it does not know is its own error (its usage, exit 2).
+
+    argparse hands a subparser's unknown arguments back to the top-level parser, whose error
+    then shows the top-level usage, which does not list the subcommand's flags."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras

@@ -12,9 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from kv_offload.errors import ServeCheckInputError
+from kv_offload.errors import ServeCheckInputError, ServingError
 from kv_offload.serving.check import CheckOptions, CheckReport, run_check
-from kv_offload.tools.report import Table, emit, envelope
+from kv_offload.serving.client import api_roots
+from kv_offload.tools.report import Table, emit, envelope, output_path
 
 
 def add_serve_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +35,7 @@ def add_serve_check_arguments(parser: argparse.ArgumentParser) -> None:
                              "between a full prefill and one continuing a cached prefix)")
     parser.add_argument("--seed", type=int, help="seed of the prompts (default: random)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--record", type=Path, metavar="PATH",
+    mode.add_argument("--record", type=output_path, metavar="PATH",
                       help="also write the prompts and the cold-pass outputs to PATH")
     mode.add_argument("--replay", type=Path, metavar="PATH",
                       help="no cold pass: send the prompts recorded in PATH and compare with "
@@ -44,10 +45,15 @@ def add_serve_check_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API key, if the server wants one (default $OPENAI_API_KEY)")
     parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="seconds allowed per request (default 120)")
-    parser.add_argument("--json", metavar="PATH", help="also write the report here ('-': stdout)")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help="also write the report here ('-': stdout)")
 
 
 def _options(args: argparse.Namespace) -> CheckOptions:
+    try:
+        api_roots(args.url)  # the URL's form, before any request
+    except ServingError as e:
+        raise ServeCheckInputError(str(e)) from None
     for name in ("prompts", "prompt_tokens", "max_tokens", "logprobs"):
         if getattr(args, name) < 1:
             raise ServeCheckInputError(f"--{name.replace('_', '-')} must be at least 1, got "
@@ -60,7 +66,8 @@ def _options(args: argparse.Namespace) -> CheckOptions:
     return CheckOptions(
         url=args.url, model=args.model, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens, logprobs=args.logprobs,
-        logprob_tolerance=args.logprob_tolerance, seed=args.seed, record=args.record,
+        logprob_tolerance=args.logprob_tolerance, seed=args.seed,
+        record=None if args.record is None else Path(args.record),
         replay=args.replay, api_key=args.api_key, timeout_s=args.timeout_s,
     )
 

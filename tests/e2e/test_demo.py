@@ -29,6 +29,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run_demo(cache_dir: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
     out = tmp_path / "demo.json"
     cmd = [sys.executable, "-m", "kv_offload.tools.cli", "demo", "--model-size", "tiny",
+           "--repeats", "2",
            "--prompts", str(NUM_PROMPTS), "--prompt-tokens", str(PROMPT_TOKENS),
            "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache_dir),
            "--work-dir", str(tmp_path / "work"), "--json", str(out), *extra]
@@ -50,7 +51,8 @@ def _check_common(result: dict[str, Any]) -> None:
     for p in result["passes"]:
         assert p["prompt_tokens"] == NUM_PROMPTS * PROMPT_TOKENS
         assert p["identical"] is True
-        assert p["seconds"] > 0
+        assert p["seconds"] > 0 and len(p["samples"]) == 2
+        assert p["cached_tokens_min"] == p["cached_tokens"]
         assert len(p["requests"]) == NUM_PROMPTS
         assert all(len(r["token_ids"]) == MAX_TOKENS for r in p["requests"])
         assert [r["token_ids"] for r in p["requests"]] == [
@@ -79,11 +81,11 @@ def test_demo_with_connector_serves_cpu_and_disk_passes(cache_dir, tmp_path):
 
 @pytest.mark.e2e
 def test_demo_serves_a_qwen3_next_like_hybrid_with_its_recurrent_state(cache_dir, tmp_path):
-    """`--model qwen3_next`: GatedDeltaNet layers beside full attention; the recurrent
+    """`--model qwen3-next`: GatedDeltaNet layers beside full attention; the recurrent
     state is stored and loaded with the attention blocks (vLLM's 64-token blocks here)."""
-    result = _run_demo(cache_dir, tmp_path, "--model", "qwen3_next")
+    result = _run_demo(cache_dir, tmp_path, "--model", "qwen3-next")
     _check_common(result)
-    assert result["model"]["architecture"] == "qwen3_next"
+    assert result["model"]["architecture"] == "qwen3-next"
     cached = [p["cached_tokens"] for p in result["passes"]]
     assert cached[0] == 0
     assert cached[1] == cached[2] == NUM_PROMPTS * cacheable_prefix(PROMPT_TOKENS, 64)
@@ -91,8 +93,8 @@ def test_demo_serves_a_qwen3_next_like_hybrid_with_its_recurrent_state(cache_dir
 
 def test_pass_results_flag_outputs_that_differ_from_the_cold_pass():
     def pass_(name: str, tokens: list[int], seconds: float) -> dict[str, Any]:
-        return {"name": name, "seconds": seconds, "requests": [
-            {"prompt_len": 64, "num_cached_tokens": 32, "token_ids": tokens}]}
+        return {"name": name, "runs": [{"seconds": seconds, "requests": [
+            {"prompt_len": 64, "num_cached_tokens": 32, "token_ids": tokens}]}]}
 
     results = _pass_results(
         [pass_("cold", [1, 2], 2.0), pass_("cpu", [1, 2], 0.5), pass_("disk", [1, 3], 1.0)],

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -45,21 +44,21 @@ class FailsReads(DictTier):
 '''
 
 
-def kv_offload_cli(*args: str, cwd: Path, extra_path: Path | None = None
-                   ) -> subprocess.CompletedProcess:
+def kv_offload_cli(*args: str, cwd: Path, extra_path: Path | None = None,
+                   timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m kv_offload.tools.cli ARGS` with this checkout's kv_offload first on the path."""
     path = [str(REPO), *([str(extra_path)] if extra_path else []),
             os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     return subprocess.run([sys.executable, "-m", "kv_offload.tools.cli", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def stdout_envelope(proc: subprocess.CompletedProcess) -> dict:
     """`--json -`: stdout must be exactly one JSON document (tables and progress elsewhere)."""
     document = json.loads(proc.stdout)
     assert set(document) == ENVELOPE, document.keys()
-    assert document["version"] == kv_offload_version() == metadata.version("kv-offload")
+    assert document["version"] == kv_offload_version() == kv_offload.__version__
     return document
 
 
