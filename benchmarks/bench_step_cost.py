@@ -152,7 +152,8 @@ def run_steps(args) -> dict:
     wall = time.monotonic() - started
     first, steady = records[:stream_end], records[-args.steady_steps:]
     return {
-        "model": args.model, "keys": args.keys, "requests": args.requests,
+        "model": args.model, "keys": args.keys, "stored_keys": len(inventory),
+        "requests": args.requests,
         "forward_ms": args.forward_ms, "batched_tokens": args.batched_tokens,
         "report_cap": cap, "steps": len(records), "wall_s": wall, "gc_freeze": args.gc_freeze,
         "tier": dict(tier.counts),
@@ -166,6 +167,9 @@ def phase_summary(records) -> dict:
         return {}
     sides = {"scheduler": SCHEDULER_CALLS, "worker": WORKER_CALLS, "ipc": ("ipc",)}
     summary = {"steps": len(records), "step_range": [records[0].step, records[-1].step]}
+    # Every step's cost per side (wall, ms): the CDF of --plot.
+    summary["samples_ms"] = {side: [r.side_ns(calls) / 1e6 for r in records]
+                             for side, calls in sides.items()}
     for side, calls in sides.items():
         summary[side] = stats_ms([r.side_ns(calls) for r in records])
         summary[f"{side}_cpu"] = stats_ms([r.side_ns(calls, cpu=True) for r in records])
@@ -341,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", metavar="TREE", nargs="+",
                         default=[str(Path(__file__).resolve().parent.parent)],
                         help="the trees compared with --before (default: this script's)")
-    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--keys", type=int, nargs="+", default=[1_000_000],
+                        help="keys already stored (default 1000000); several: one "
+                             "measurement each, e.g. --keys 0 1000000 (not with --before)")
+    parser.add_argument("--plot", metavar="PATH", type=_plot_path,
+                        help="also draw the steady-state step-cost CDF per --keys in this PNG")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--model", choices=("full", "hybrid"), default="full")
     parser.add_argument("--warmup-steps", type=int, default=150)
@@ -364,12 +372,15 @@ def main(argv: list[str] | None = None) -> int:
                         "do, so the collector skips it)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    child_argv = _without(argv, ("--json", "--before", "--after"))
+    child_argv = _without(argv, ("--json", "--before", "--after", "--plot"))
     if args.before:
+        if len(args.keys) > 1:
+            parser.error("--before compares trees at one --keys count")
         results = [run_child(tree, child_argv) for tree in [args.before, *args.after]]
         print_comparison(results)
     else:
-        results = [measure(args)]
+        results = [measure(argparse.Namespace(**{**vars(args), "keys": keys}))
+                   for keys in args.keys]
     if args.json:
         meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(), "argv": argv,
@@ -377,7 +388,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
         print(f"wrote {args.json}")
+    if args.plot:
+        from kv_offload.tools.plots import run_note, step_cost_cdf
+
+        step_cost_cdf(results, args.plot, run_note())
+        print(f"wrote {args.plot}")
     return 0
+
+
+def _plot_path(text: str) -> str:
+    # (imported here: a --before child runs an older tree, which has no plots module)
+    from kv_offload.tools.plots import plot_path
+
+    return plot_path(text)
 
 
 def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:

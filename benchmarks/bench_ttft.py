@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kv_offload.tools.plots import plot_path, run_note, ttft_by_source
+
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MODEL_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4}
 # --arch: the model family and its sizes. qwen3_next: GatedDeltaNet layers with a full
@@ -305,15 +307,18 @@ def run(args: argparse.Namespace) -> int:
     _print_table(summary, args, starts)
     print("1-min load average before/after each engine (2 shared cores): "
           + ", ".join(f"{k} {a:.1f}/{b:.1f}" for k, (a, b) in loads.items()))
+    document = {
+        "model": {"path": str(model), "arch": args.arch, **ARCHS[args.arch][1]},
+        "num_prompts": args.prompts,
+        "prompt_tokens": args.prompt_tokens, "settle_s": args.settle_s,
+        "goals": GOALS, "goals_to_vllm_hit": HIT_GOALS,
+        "connector_extra_config": CONNECTOR_EXTRA, "engine_start_s": starts,
+        "load_average_before_after": loads,
+        **summary, "samples": results}
     if args.json:
-        args.json.write_text(json.dumps({
-            "model": {"path": str(model), "arch": args.arch, **ARCHS[args.arch][1]},
-            "num_prompts": args.prompts,
-            "prompt_tokens": args.prompt_tokens, "settle_s": args.settle_s,
-            "goals": GOALS, "goals_to_vllm_hit": HIT_GOALS,
-            "connector_extra_config": CONNECTOR_EXTRA, "engine_start_s": starts,
-            "load_average_before_after": loads,
-            **summary, "samples": results}, indent=2))
+        args.json.write_text(json.dumps(document, indent=2))
+    if args.plot:
+        ttft_by_source([document], args.plot, run_note())
     return 0 if summary["valid"] else 1
 
 
@@ -335,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine logs and the disk tier (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--plot", type=plot_path, metavar="PATH",
+                        help="also draw TTFT by source in this PNG (matplotlib; several "
+                             "models in one figure: python -m kv_offload.tools.plots ttft)")
     args = parser.parse_args(argv)
     if args.child is not None:
         return _child(args.child)

@@ -44,6 +44,8 @@ from typing import Any
 
 import zipf_trace
 
+from kv_offload.tools.plots import plot_path, run_note, zipf_hits
+
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MODEL_SIZES = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2}
 # float32, not bfloat16: a random-weight model's logits are nearly flat, and in bfloat16 two
@@ -180,6 +182,7 @@ def _run_child(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
     spec_path, result_path, log_path = (run_dir / "spec.json", run_dir / "result.json",
                                         run_dir / "engine.log")
     spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
+    result_path.unlink(missing_ok=True)  # (an earlier budget's run used this folder)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process
     print(f"  engine '{name}': {sum(map(len, spec['rounds']))} requests in "
           f"{len(spec['rounds'])} rounds (log {log_path}) ...", flush=True)
@@ -312,42 +315,49 @@ def run(args: argparse.Namespace) -> int:
     model = _model_dir(args)
     block_bytes = kv_bytes_per_block(model)
     document_blocks = sum(len(d) for d in documents) // BLOCK_SIZE
-    disk_blocks = int(document_blocks * args.disk_fraction)
     host_slots = int(document_blocks * args.host_fraction)
-    sizes = {"kv_bytes_per_block": block_bytes, "document_blocks": document_blocks,
-             "document_kv_bytes": document_blocks * block_bytes, "disk_blocks": disk_blocks,
-             "fs_bytes_to_use": disk_blocks * file_bytes_per_block(block_bytes),
-             "host_slots": host_slots, "cpu_bytes_to_use": host_slots * block_bytes}
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-zipf-"))
-    disk_dir = work / "disk"
-    shutil.rmtree(disk_dir, ignore_errors=True)
-    disk_dir.mkdir(parents=True)
-    transfer = {"kv_connector": "KVOffloadConnector",
-                "kv_connector_module_path": "kv_offload.vllm", "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": sizes["cpu_bytes_to_use"],
-                                              "fs_root_dir": str(disk_dir),
-                                              "fs_bytes_to_use": sizes["fs_bytes_to_use"]}}
     max_len = max(len(t.prompt) for t in trace) + args.max_tokens
     base = {"model": str(model), "dtype": DTYPE, "round": args.round, "max_tokens": args.max_tokens,
             "max_model_len": -(-max_len // BLOCK_SIZE) * BLOCK_SIZE,
             "rounds": [[list(t.prompt) for t in r] for r in rounds]}
+    runs = []
     try:
-        with_conn = _run_child("connector", {**base, "kv_transfer_config": transfer}, work)
         without = _run_child("no-connector", {**base, "kv_transfer_config": None}, work)
+        for fraction in args.disk_fraction:
+            disk_blocks = int(document_blocks * fraction)
+            sizes = {"kv_bytes_per_block": block_bytes, "document_blocks": document_blocks,
+                     "document_kv_bytes": document_blocks * block_bytes,
+                     "disk_fraction": fraction, "disk_blocks": disk_blocks,
+                     "fs_bytes_to_use": disk_blocks * file_bytes_per_block(block_bytes),
+                     "host_slots": host_slots, "cpu_bytes_to_use": host_slots * block_bytes}
+            disk_dir = work / "disk"
+            shutil.rmtree(disk_dir, ignore_errors=True)  # every budget starts empty
+            disk_dir.mkdir(parents=True)
+            extra = {"cpu_bytes_to_use": sizes["cpu_bytes_to_use"],
+                     "fs_root_dir": str(disk_dir), "fs_bytes_to_use": sizes["fs_bytes_to_use"]}
+            transfer = {"kv_connector": "KVOffloadConnector",
+                        "kv_connector_module_path": "kv_offload.vllm", "kv_role": "kv_both",
+                        "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": extra}
+            with_conn = _run_child("connector", {**base, "kv_transfer_config": transfer}, work)
+            summary = _summarise(trace, rounds, sizes, with_conn, without)
+            _print_table(summary, sizes, args)
+            runs.append({
+                "model": {"path": str(model), **MODEL_SIZES}, "block_size": BLOCK_SIZE,
+                "trace": {k: getattr(args, k) for k in (
+                    "documents", "min_blocks", "max_blocks", "requests", "zipf", "round",
+                    "seed", "question_tokens", "max_tokens")},
+                "num_rounds": len(rounds), "sizes": sizes, **summary})
     finally:
         if args.work_dir is None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    summary = _summarise(trace, rounds, sizes, with_conn, without)
-    _print_table(summary, sizes, args)
     if args.json:
-        args.json.write_text(json.dumps({
-            "model": {"path": str(model), **MODEL_SIZES}, "block_size": BLOCK_SIZE,
-            "trace": {k: getattr(args, k) for k in ("documents", "min_blocks", "max_blocks",
-                                                     "requests", "zipf", "round", "seed",
-                                                     "question_tokens", "max_tokens")},
-            "num_rounds": len(rounds), "sizes": sizes, **summary}, indent=2))
-    return 0 if summary["valid"] else 1
+        document = runs[0] if len(runs) == 1 else {"runs": runs}
+        args.json.write_text(json.dumps(document, indent=2))
+    if args.plot:
+        zipf_hits(runs, args.plot, run_note())
+    return 0 if all(r["valid"] for r in runs) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,8 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round", type=int, default=8, help="most requests per round")
     p.add_argument("--question-tokens", type=int, default=16, help="question per request")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
-    p.add_argument("--disk-fraction", type=float, default=0.5,
-                   help="disk budget as a fraction of the documents' blocks (default 0.5)")
+    p.add_argument("--disk-fraction", type=float, nargs="+", default=[0.5],
+                   help="disk budget as a fraction of the documents' blocks (default 0.5); "
+                        "several: one engine with the connector per budget, the same trace "
+                        "and engine without the connector (JSON: {\"runs\": [...]})")
     p.add_argument("--host-fraction", type=float, default=1 / 40,
                    help="host tier as a fraction of the documents' blocks (default 1/40: "
                         "smaller than the blocks of one round in flight)")
@@ -372,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, help="engine logs and the disk tier")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     p.add_argument("--json", type=Path, help="also write the results to this file")
+    p.add_argument("--plot", type=plot_path, metavar="PATH",
+                   help="also draw served tokens against the ideal LRU by disk budget in this "
+                        "PNG (matplotlib; give several --disk-fraction values)")
     args = p.parse_args(argv)
     if args.child is not None:
         return _child(args.child)

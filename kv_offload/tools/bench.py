@@ -30,18 +30,19 @@ from collections.abc import Callable
 from kv_offload.errors import BenchArgumentError, ConfigError
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS
+from kv_offload.tools.plots import plot_path
 from kv_offload.tools.report import STATISTIC, Table, emit, envelope, output_path
 
 BUILTIN_BACKENDS = ("cpu", "filesystem", "valkey", "s3")
 COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
-TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes")
+TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes", "plot")
 # The flags each backend honours besides COMMON; any other flag given is refused.
 HONOURED: dict[str, tuple[str, ...]] = {
     "cpu": ("model", "layers", "layout", "pattern"),
     "filesystem": TIER_FLAGS,
     "valkey": (*TIER_FLAGS, "url", "cluster"),
     "s3": (*TIER_FLAGS, "endpoint_url", "bucket"),
-    "module:Class": ("fs_root", "total_mib", "tier_options"),
+    "module:Class": ("fs_root", "total_mib", "tier_options", "plot"),
 }
 
 
@@ -96,6 +97,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run each built-in tier once per record mode, same cells, same "
                             "run: plain (no secret), auth (secret_file: HMAC tags), encrypt "
                             "(AES-GCM); rows 'TIER+auth', 'TIER+encrypt' (default: plain)")
+    tiers.add_argument("--plot", default=None, metavar="PATH", type=plot_path,
+                       help="also draw GB/s by value size and connections in this PNG "
+                            "(needs the plots extra: matplotlib)")
     tiers.add_argument("--tier-options", default=None, metavar="JSON",
                        help="module:Class: its storage_options, as JSON (default {})")
 
@@ -164,6 +168,10 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"kv-offload bench: {e}", file=sys.stderr)
         return 2
     emit([table], envelope("bench", result, STATISTIC), args.json)
+    if getattr(args, "plot", None) is not None:
+        from kv_offload.tools.plots import run_note, tier_throughput
+
+        tier_throughput(result, args.plot, run_note())
     return 0 if result["mismatches"] == 0 and result["failed_keys"] == 0 else 1
 
 
