@@ -44,10 +44,13 @@ def run_note() -> str:
     return f"{NOISE_NOTE}; 1-min load average {os.getloadavg()[0]:.1f} at the end"
 
 
-def _plain_log_axis(axis) -> None:
-    """Log-scale ticks written as plain numbers (0.25, 1, 4), not powers."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+def _plain_log_axis(axis, decades: bool = False) -> None:
+    """Log-scale ticks written as plain numbers (0.25, 1, 4), not powers; `decades`: ticks at
+    1, 2 and 5 of every decade (a range of one decade still gets several)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    if decades:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
@@ -131,7 +134,7 @@ def step_cost_cdf(results: Sequence[dict[str, Any]], path: str | Path,
             ax.step(ms, share, where="post", label=f"{keys:,} stored keys")
         ax.axvline(1.0, color="gray", linestyle=":", label="goal: p99 < 1 ms")
         ax.set_xscale("log")
-        _plain_log_axis(ax.xaxis)
+        _plain_log_axis(ax.xaxis, decades=True)
         ax.set_xlabel(f"{side} side, ms per step (wall, log)")
         ax.set_ylabel("share of steps")
         ax.legend(fontsize=8)
