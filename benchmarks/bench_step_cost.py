@@ -47,11 +47,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from step_cost_compat import API, make_worker, storage_key_of
-from step_cost_engine import SCHEDULER_CALLS, WORKER_CALLS, SimEngine, Workload
+from step_cost_engine import SimEngine, Workload
 from step_cost_prefill import PrefillCase, plan_prefill
+from step_cost_stats import phase_summary
 from step_cost_tier import SyntheticTier
 from vllm import SamplingParams
 from vllm.utils.gc_utils import freeze_gc_heap
@@ -160,42 +160,6 @@ def run_steps(args) -> dict:
         "first_steps": phase_summary(first),
         "steady_state": phase_summary(steady),
     }
-
-
-def phase_summary(records) -> dict:
-    if not records:
-        return {}
-    sides = {"scheduler": SCHEDULER_CALLS, "worker": WORKER_CALLS, "ipc": ("ipc",)}
-    summary = {"steps": len(records), "step_range": [records[0].step, records[-1].step]}
-    # Every step's cost per side (wall, ms): the CDF of --plot.
-    summary["samples_ms"] = {side: [r.side_ns(calls) / 1e6 for r in records]
-                             for side, calls in sides.items()}
-    for side, calls in sides.items():
-        summary[side] = stats_ms([r.side_ns(calls) for r in records])
-        summary[f"{side}_cpu"] = stats_ms([r.side_ns(calls, cpu=True) for r in records])
-    summary["calls"] = {name: stats_ms([r.ns.get(name, 0) for r in records])
-                        for name in SCHEDULER_CALLS + WORKER_CALLS}
-    summary["calls_cpu"] = {name: stats_ms([r.cpu_ns.get(name, 0) for r in records])
-                            for name in SCHEDULER_CALLS + WORKER_CALLS}
-    summary["report_keys"] = stats([r.report_keys for r in records])
-    summary["gc"] = {"pause_per_step": stats_ms([r.gc_ns for r in records]),
-                     "pause_cpu_per_step": stats_ms([r.gc_cpu_ns for r in records]),
-                     "full_collections": sum(r.gc_full for r in records)}
-    for name in ("scheduled_tokens", "stored_blocks", "loads", "lookups"):
-        summary[name] = float(np.mean([getattr(r, name) for r in records]))
-    return summary
-
-
-def stats(values) -> dict:
-    a = np.asarray(values, dtype=float)
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
-            "max": float(a.max()), "mean": float(a.mean()), "sum": float(a.sum())}
-
-
-def stats_ms(ns_values) -> dict:
-    out = {k: v / 1e6 for k, v in stats(ns_values).items()}
-    out["over_1ms"] = int(sum(v > 1e6 for v in ns_values))
-    return out
 
 
 # --- 2. store planning of a long prefill ---
