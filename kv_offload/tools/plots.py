@@ -77,7 +77,7 @@ def plot_path(text: str) -> str:
 def _figure(ncols: int, title: str, note: str):
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(4.8 * ncols, 4.2), layout="constrained")
+    fig = Figure(figsize=(max(7.0, 4.8 * ncols), 4.2), layout="constrained")
     axes = fig.subplots(1, ncols, squeeze=False)[0]
     fig.suptitle(f"{title}\n({note})", fontsize=10)
     return fig, axes
