@@ -99,6 +99,8 @@ def ttft_by_source(documents: Sequence[dict[str, Any]], path: str | Path,
                      f"{doc['prompt_tokens']} tokens (median)", fontsize=9)
         ax.set_ylabel("TTFT, ms (log)")
         ax.set_yscale("log")
+        ax.set_ylim(10, max(ms) * 2)  # (room above the tallest bar for its label)
+        _plain_log_axis(ax.yaxis, decades=True)
         ax.tick_params(axis="x", labelsize=8)
     fig.savefig(path, dpi=110)
 
