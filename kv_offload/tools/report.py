@@ -15,7 +15,11 @@ Contents:
   the error shows that subcommand's usage, not the top-level one.
 
 Why one module: a user reads several subcommands' output side by side (and scripts parse
-their JSON); one printer and one envelope keep them alike. The exit status rule lives with
+their JSON); one printer and one envelope keep them alike. Why hand-written rather than `rich` or
+`tqdm`: neither is a dependency of the base install (torch, numpy, safetensors, xxhash; only
+vLLM brings them), `inspect` and `bench` run without vLLM, and the table and bar are a few
+dozen lines whose plain-text output (one line per step when stderr is not a terminal) logs
+and tests read as they are. The exit status rule lives with
 each command (non-zero on any mismatch or failed key) but is computed from the same
 `results` a script would read.
 """
