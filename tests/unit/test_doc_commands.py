@@ -22,6 +22,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -144,10 +145,20 @@ def test_the_checks_catch_an_unmarked_block_a_missing_test_and_a_renamed_flag():
     assert "--no-such-flag" in parse_error(kv_offload_invocations(blocks[2].text)[0])
 
 
+@pytest.fixture(scope="module")
+def run_here_results(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every `run here` block's run, all started at once (each spends most of its time
+    importing torch; together they take the time of the slowest, not the sum)."""
+    with ThreadPoolExecutor(max_workers=len(RUN_HERE) or 1) as pool:
+        runs = {b.where: pool.submit(run_block, b, tmp_path_factory.mktemp("block"))
+                for b in RUN_HERE}
+        return {where: run.result() for where, run in runs.items()}
+
+
 @pytest.mark.parametrize("block", RUN_HERE, ids=[b.where for b in RUN_HERE])
 def test_a_block_marked_run_here_exits_as_documented_and_prints_its_expected_output(
-        block, tmp_path):
-    proc = run_block(block, tmp_path)
+        block, run_here_results):
+    proc = run_here_results[block.where]
     assert proc.returncode == parse_mark(block.mark).exit_status, proc.stdout[-3000:]
     expected = expected_output(BLOCKS, block)
     if expected is not None:
