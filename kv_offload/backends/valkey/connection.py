@@ -200,7 +200,8 @@ class ValkeyConnection:
             {"__init__": lambda self, **kw: base.__init__(self, **{
                 "command_packer": packer, **kw})})
         return {
-            "max_connections": config.connections + 2,  # + the refresh thread, + clear()
+            # + the refresh thread, + clear(), + the keyspace notifications' subscription
+            "max_connections": config.connections + 3,
             "timeout": config.timeout_s,  # waiting for a free connection is bounded too
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,
