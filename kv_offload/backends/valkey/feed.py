@@ -76,7 +76,8 @@ class KeyspaceFeed:
         self._subscribed: dict[str, _Subscription] = {}
         self._refused: set[str] = set()  # servers that refused CONFIG: crawl only
         self._outages = Outages(f"keyspace notifications of {config.display_url}",
-                                config.retry_interval_s, logger)
+                                config.retry_interval_s, logger,
+                                "other engines' writes there are found by the paced SCAN only")
         self.enabled = config.keyspace_events
 
     def start(self) -> None:
