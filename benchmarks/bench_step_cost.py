@@ -116,7 +116,19 @@ def run_steps(args) -> dict:
     num_blocks = args.engine_blocks * len(specs)
     _, caches = allocate_kv_caches(groups, num_blocks, "LBHNC")  # vLLM CPU's layout
     block_bytes = sum(2 * spec.page_size_bytes for spec in specs)
-    tier = SyntheticTier(inventory, page_bytes=block_bytes)
+    shared = None
+    if args.tier == "valkey":  # (a real server holding the inventory: step_cost_shared.py)
+        from step_cost_shared import start_valkey
+
+        shared = tier = start_valkey(inventory, {storage_key_of(k) for k in doc_keys},
+                                     block_bytes)
+        print(f"valkey: {len(inventory):,} keys loaded in {shared.fill_s:.1f} s; the tier "
+              f"started (its SCAN of them) in {shared.start_up_s:.1f} s", flush=True)
+        tier = shared.tier
+        inventory_left, tier_counts = shared.inventory_left, shared.counts
+    else:
+        tier = SyntheticTier(inventory, page_bytes=block_bytes)
+        inventory_left, tier_counts = tier.inventory_left, lambda: dict(tier.counts)
     worker = make_worker(OffloadConfig(cpu_bytes_to_use=args.host_mib << 20), caches, groups,
                          num_blocks, tier)
     scheduler = OffloadScheduler(specs, BLOCK, 1)
@@ -130,7 +142,7 @@ def run_steps(args) -> dict:
     if args.report_cap is not None and hasattr(worker_side, "REPORT_MAX_KEYS"):
         worker_side.REPORT_MAX_KEYS = args.report_cap  # read by report() at every call
     cap = getattr(worker_side, "REPORT_MAX_KEYS", None)
-    records, reported, stream_end = [], 0, None
+    records, reported, stream_end, delay = [], 0, None, None
     started = time.monotonic()
     try:
         while True:
@@ -139,23 +151,33 @@ def run_steps(args) -> dict:
             # Streaming until the tier has listed its whole inventory and the worker has
             # reported it (no more than a step's worth of changes left behind).
             streaming = reported < len(inventory) or record.report_keys == cap or \
-                tier.inventory_left() > 0 or pending_changes(worker) > 1024
+                inventory_left() > 0 or pending_changes(worker) > 1024
             reported += record.report_keys
             if stream_end is None and not streaming:
                 stream_end = record.step  # the first step after the inventory arrived
+                if shared is not None:  # another engine writes while this one steps
+                    shared.start_writer(args.writer_rate)
             if stream_end is not None and \
                     record.step + 1 >= max(stream_end, args.warmup_steps) + args.steady_steps:
                 break
+        if shared is not None:
+            shared.stop_writer()
+            delay = shared.measure_delay(args.delay_keys)
     finally:
         engine.gc.close()
         worker.shutdown()
+        if shared is not None:
+            shared.close()
     wall = time.monotonic() - started
     first, steady = records[:stream_end], records[-args.steady_steps:]
     return {
         "model": args.model, "keys": args.keys, "requests": args.requests,
         "forward_ms": args.forward_ms, "batched_tokens": args.batched_tokens,
         "report_cap": cap, "steps": len(records), "wall_s": wall, "gc_freeze": args.gc_freeze,
-        "tier": dict(tier.counts),
+        "tier": tier_counts() if shared is None else shared.final_counts,
+        "shared": None if shared is None else {
+            "kind": args.tier, "fill_s": shared.fill_s, "start_up_s": shared.start_up_s,
+            "writer_rate": args.writer_rate, "delay": delay},
         "first_steps": phase_summary(first),
         "steady_state": phase_summary(steady),
     }
@@ -232,6 +254,13 @@ def print_steps(result: dict) -> None:
             print(f"{phase:13} {side:9} {summary['steps']:>5} {w['p50']:>9.3f} "
                   f"{w['p99']:>8.3f} {w['max']:>8.1f} {w['over_1ms']:>5} {c['p50']:>8.3f} "
                   f"{c['p99']:>8.3f} {c['max']:>8.1f} {c['sum']:>9.1f}")
+    if steps.get("shared"):
+        shared, counts = steps["shared"], steps["tier"]
+        print(f"  {shared['kind']}: {steps['keys']:,} keys loaded in {shared['fill_s']:.1f} s, "
+              f"tier start-up (SCAN) {shared['start_up_s']:.1f} s; another engine wrote "
+              f"{shared['writer_rate']:.0f} keys/s during the steady steps; tier counts "
+              f"{ {k: v for k, v in counts.items() if v} }")
+        print(f"  delay until another engine's write is found: {shared['delay']}")
     for phase in ("first_steps", "steady_state"):
         summary = steps[phase]
         print(f"  {phase}: report keys p50 {summary['report_keys']['p50']:.0f} max "
@@ -357,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tier", choices=("synthetic", "valkey"), default="synthetic",
+                        help="the storage tier holding the --keys keys: the synthetic index, "
+                        "or a real ValkeyTier on a loopback redis-server (step_cost_shared.py)")
+    parser.add_argument("--writer-rate", type=float, default=200.0, help="--tier valkey: keys "
+                        "per second another engine writes during the steady steps")
+    parser.add_argument("--delay-keys", type=int, default=200, help="--tier valkey: keys "
+                        "written after the steps to measure the delay until they are found")
     parser.add_argument("--report-cap", type=int, help="key changes per worker report "
                         "(sets worker_side.REPORT_MAX_KEYS for this run; default: the tree's)")
     parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",

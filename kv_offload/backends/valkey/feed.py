@@ -187,6 +187,8 @@ class KeyspaceFeed:
                 client.config_set("notify-keyspace-events", current + missing)
         except ResponseError:  # NOPERM, or CONFIG renamed/disabled
             return False
+        except (AttributeError, TypeError, ValueError):  # a reply no Valkey sends (a proxy)
+            return False
         return True
 
 
