@@ -90,7 +90,7 @@ class SharedTierRun:
             deadline = time.time() + 120
             while (len(seen) < keys or proc.poll() is None) and time.time() < deadline:
                 if log.exists():
-                    for line in log.read_text().splitlines():
+                    for line in log.read_text().split("\n")[:-1]:  # (whole lines only)
                         entry = json.loads(line)
                         written[entry["key"]] = entry["t"]
                 todo = [k for k in written if k not in seen]
