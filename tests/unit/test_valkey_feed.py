@@ -154,3 +154,23 @@ def test_a_subscription_the_server_cut_is_counted_and_comes_back(server):
     assert reader.stats()["scan_passes"] == 0
     writer.close()
     reader.close()
+
+
+def test_after_the_server_restarts_empty_notifications_are_turned_on_again(server):
+    prefix = unique_name("restart") + ":"
+    reader = make_tier(server, prefix, refresh_interval_s=0.05, scan_count=10,
+                       retry_interval_s=0.1)
+    server.kill()
+    server.start()  # (same port, empty, notify-keyspace-events off again)
+    client = admin(server)
+    fill(client)
+    until(lambda: client.config_get("notify-keyspace-events")["notify-keyspace-events"] != "",
+          10.0, "the restarted server's notifications were never turned on again")
+    until(lambda: client.pubsub_numpat() >= 1, 5.0, "it never subscribed again")
+    writer = make_tier(server, prefix, keyspace_events=False)
+    passes = reader.stats()["scan_passes"]  # (passes over the empty server end at once)
+    assert write(writer, [b"after"], [random_bytes(4096, 4)]).ok
+    until(lambda: reader.lookup([b"after"]) == [True], 5.0, "the new subscription is deaf")
+    assert reader.stats()["feed_gaps"] >= 1 and reader.stats()["scan_passes"] == passes
+    writer.close()
+    reader.close()

@@ -23,7 +23,8 @@ Pub/sub is at most once: events sent while the subscription was down (a reconnec
 that cut us off past its ``client-output-buffer-limit pubsub``, a restart) are lost. That is
 what the crawl reconciles; a lost subscription counts ``feed_gaps`` and is one warning per
 episode (its own ``Outage``, not the I/O path's: a feed problem never fails a job), and
-redis-py re-subscribes on the next poll that gets through.
+the server is enabled and subscribed again from scratch at the next poll its ``Outage``
+lets through (a restarted server forgot the ``CONFIG SET``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class KeyspaceFeed:
         self._follow_topology()
         total = 0
         for name, sub in list(self._subscribed.items()):
-            outage = self._outages.of(name)
+            outage = self._outage(name)
             if not outage.should_try():
                 continue
             try:
@@ -108,6 +109,9 @@ class KeyspaceFeed:
                 if not outage.down:
                     self._book.count("feed_gaps")  # (events lost until it re-subscribes)
                 outage.failed(e)
+                # Subscribed again from scratch at a later poll: a restarted server has
+                # lost our CONFIG SET too (redis-py's own re-subscription would not redo it).
+                _close(self._subscribed.pop(name))
         return total
 
     def close(self) -> None:
@@ -148,7 +152,7 @@ class KeyspaceFeed:
         for name, node in primaries.items():
             if name in self._subscribed or name in self._refused:
                 continue
-            outage = self._outages.of(name)
+            outage = self._outage(name)
             if not outage.should_try():
                 continue
             client = self._conn.client if node is None else node.redis_connection
@@ -163,6 +167,10 @@ class KeyspaceFeed:
                 outage.succeeded()
             except SERVER_ERRORS as e:
                 outage.failed(e)  # (down: the crawl covers it; retried at a later poll)
+
+    def _outage(self, name: str):
+        return self._outages.of(name, f"keyspace notifications of {self._config.display_url}"
+                                if name == SINGLE else None)
 
     def _refuse(self, name: str) -> None:
         self._refused.add(name)
