@@ -143,8 +143,12 @@ def _block(key: bytes, block_bytes: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(seed))
 
 
-def _wait(tier: ValkeyTier, job: int) -> None:
-    while not any(r.job_id == job for r in tier.poll()):
+def _wait(tier: ValkeyTier, job: int) -> bool:
+    """Whether job ``job`` wrote every key."""
+    while True:
+        for result in tier.poll():
+            if result.job_id == job:
+                return all(result.succeeded)
         time.sleep(0.001)
 
 
@@ -166,7 +170,7 @@ def _pipe_filler(server: LocalServer, names: list[bytes]) -> None:
 
 def _writer(url: str, block_bytes: int, rate: float, count: int, log: str | None) -> None:
     """Another engine: writes random new blocks at ``rate`` per second (``count``: how many,
-    0 = until SIGTERM), appending {"key", "t"} lines to ``log`` once each write returned."""
+    0 = until SIGTERM), appending {"key", "t"} lines to ``log`` once each write landed."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     tier = ValkeyTier.from_options(_options(url, keyspace_events=False, refresh_interval_s=0),
@@ -176,8 +180,8 @@ def _writer(url: str, block_bytes: int, rate: float, count: int, log: str | None
     n, start = 0, time.monotonic()
     while not stop.is_set() and (count == 0 or n < count):
         key = rng.randbytes(32)
-        _wait(tier, tier.submit_write([key], [_block(key, block_bytes)]))
-        if out is not None:
+        written = _wait(tier, tier.submit_write([key], [_block(key, block_bytes)]))
+        if out is not None and written:  # (a write that failed is no key to find)
             out.write(json.dumps({"key": key.hex(), "t": time.time()}) + "\n")
             out.flush()
         n += 1
