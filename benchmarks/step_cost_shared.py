@@ -37,11 +37,16 @@ from pathlib import Path
 import torch
 
 from kv_offload.backends.valkey import ValkeyTier
+from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.local_cluster import cli_binary
 from kv_offload.backends.valkey.local_server import LocalServer
 
 FINGERPRINT = "step-cost-bench|LBHNC|tp1|rank0"
 PREFIX = "bench:"
+# Helpers (the loader, the other engine) need no notifications; a tree from before them
+# (--before) has no such option.
+QUIET = {"keyspace_events": False} if "keyspace_events" in \
+    ValkeyTierConfig.__dataclass_fields__ else {}
 
 
 def _options(url: str, **extra) -> dict:
@@ -121,8 +126,8 @@ def start_valkey(inventory: list[bytes], documents: set[bytes], block_bytes: int
     the tier under test on it, its start-up SCAN done."""
     server = LocalServer(maxmemory=maxmemory)
     started = time.monotonic()
-    loader = ValkeyTier.from_options(_options(server.url, keyspace_events=False,
-                                              refresh_interval_s=0), FINGERPRINT)
+    loader = ValkeyTier.from_options(_options(server.url, refresh_interval_s=0, **QUIET),
+                                     FINGERPRINT)
     prefix = loader._prefix
     _pipe_filler(server, [prefix + k.hex().encode() for k in inventory if k not in documents])
     docs = sorted(documents)
@@ -173,8 +178,7 @@ def _writer(url: str, block_bytes: int, rate: float, count: int, log: str | None
     0 = until SIGTERM), appending {"key", "t"} lines to ``log`` once each write landed."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    tier = ValkeyTier.from_options(_options(url, keyspace_events=False, refresh_interval_s=0),
-                                   FINGERPRINT)
+    tier = ValkeyTier.from_options(_options(url, refresh_interval_s=0, **QUIET), FINGERPRINT)
     rng = random.Random(os.getpid())
     out = open(log, "a") if log else None  # noqa: SIM115 (closed below)
     n, start = 0, time.monotonic()
