@@ -16,8 +16,9 @@ reads ``CONFIG GET notify-keyspace-events`` and, if the flags it needs (``K`` ke
 channel, ``$`` string, ``g`` generic, ``x`` expired, ``e`` evicted) are not all set, adds
 them with ``CONFIG SET`` (keeping the flags already there: other clients may rely on them).
 A server that refuses ``CONFIG`` (an ACL without ``+config``, a managed service that
-renamed it) is not subscribed: the tier says so once, at start, and relies on the paced
-crawl (crawl.py) for that server.
+renamed it) or ``PSUBSCRIBE`` on our pattern (an ACL's channels; ACLs match a pattern
+literally: the user needs ``allchannels`` or exactly our pattern) is not subscribed: the
+tier says so once, at start, and relies on the paced crawl (crawl.py) for that server.
 
 Pub/sub is at most once: events sent while the subscription was down (a reconnect, a server
 that cut us off past its ``client-output-buffer-limit pubsub``, a restart) are lost. That is
@@ -105,6 +106,9 @@ class KeyspaceFeed:
             try:
                 total += self._drain(sub)
                 outage.succeeded()
+            except ResponseError as e:  # (e.g. NOPERM on the channel pattern, from the ACL)
+                _close(self._subscribed.pop(name))
+                self._refuse(name, e)
             except SERVER_ERRORS as e:
                 if not outage.down:
                     self._book.count("feed_gaps")  # (events lost until it re-subscribes)
@@ -158,13 +162,16 @@ class KeyspaceFeed:
             client = self._conn.client if node is None else node.redis_connection
             try:
                 with request_deadline(self._config.request_timeout_s):
-                    if not self._enable(client):
-                        self._refuse(name)
+                    refusal = self._enable(client)
+                    if refusal is not None:
+                        self._refuse(name, refusal)
                         continue
                     pubsub = client.pubsub(ignore_subscribe_messages=True)
                     pubsub.psubscribe(self._pattern)
                 self._subscribed[name] = _Subscription(pubsub)
                 outage.succeeded()
+            except ResponseError as e:  # PSUBSCRIBE refused (the ACL's channels)
+                self._refuse(name, e)
             except SERVER_ERRORS as e:
                 outage.failed(e)  # (down: the crawl covers it; retried at a later poll)
 
@@ -172,20 +179,21 @@ class KeyspaceFeed:
         return self._outages.of(name, f"keyspace notifications of {self._config.display_url}"
                                 if name == SINGLE else None)
 
-    def _refuse(self, name: str) -> None:
+    def _refuse(self, name: str, error: BaseException) -> None:
         self._refused.add(name)
         self._book.count("feed_refused")
         logger.warning(
-            "kv-offload: the Valkey server %s%s refused CONFIG GET/SET "
-            "notify-keyspace-events; keys other engines write there are found by the paced "
-            "SCAN only, within one pass over its keys (refresh_interval_s, scan_count, "
-            "scan_pages_per_refresh); to be told at once, allow +config|get +config|set "
-            "+psubscribe or set notify-keyspace-events to include %r",
+            "kv-offload: the Valkey server %s%s refused the tier's keyspace notifications "
+            "(%s); keys other engines write there are found by the paced SCAN only, within "
+            "one pass over its keys (refresh_interval_s, scan_count, scan_pages_per_refresh); "
+            "to be told at once, allow the user +config|get +config|set +psubscribe and "
+            "allchannels, or set notify-keyspace-events to include %r and allow PSUBSCRIBE",
             self._config.display_url, "" if name == SINGLE else f" (cluster node {name})",
-            NEEDED_FLAGS)
+            error, NEEDED_FLAGS)
 
-    def _enable(self, client) -> bool:
-        """Make sure the server publishes the events the feed needs; False if it refuses."""
+    def _enable(self, client) -> BaseException | None:
+        """Make sure the server publishes the events the feed needs; the error if it
+        refuses (None: done)."""
         try:
             current = client.config_get("notify-keyspace-events").get(
                 "notify-keyspace-events", "")
@@ -193,11 +201,11 @@ class KeyspaceFeed:
             missing = "".join(f for f in NEEDED_FLAGS if f not in have)
             if missing:
                 client.config_set("notify-keyspace-events", current + missing)
-        except ResponseError:  # NOPERM, or CONFIG renamed/disabled
-            return False
-        except (AttributeError, TypeError, ValueError):  # a reply no Valkey sends (a proxy)
-            return False
-        return True
+        except ResponseError as e:  # NOPERM, or CONFIG renamed/disabled
+            return e
+        except (AttributeError, TypeError, ValueError) as e:  # a reply no Valkey sends
+            return e
+        return None
 
 
 def _database(url: str) -> int:
