@@ -117,7 +117,8 @@ def run_steps(args) -> dict:
     _, caches = allocate_kv_caches(groups, num_blocks, "LBHNC")  # vLLM CPU's layout
     block_bytes = sum(2 * spec.page_size_bytes for spec in specs)
     shared = None
-    if args.tier == "valkey":  # (a real server holding the inventory: step_cost_shared.py)
+    # --tier valkey: a real server holding the inventory (step_cost_shared.py)
+    if getattr(args, "tier", "synthetic") == "valkey":
         from step_cost_shared import start_valkey
 
         shared = tier = start_valkey(inventory, {storage_key_of(k) for k in doc_keys},
