@@ -142,6 +142,16 @@ def start_valkey(inventory: list[bytes], documents: set[bytes], block_bytes: int
     return SharedTierRun(server, tier, block_bytes, time.monotonic() - started, fill_s)
 
 
+def print_shared(steps: dict) -> None:
+    """The shared-store lines of the benchmark's per-step table."""
+    shared, counts = steps["shared"], steps["tier"]
+    print(f"  {shared['kind']}: {steps['keys']:,} keys loaded in {shared['fill_s']:.1f} s, "
+          f"tier start-up (SCAN) {shared['start_up_s']:.1f} s; another engine wrote "
+          f"{shared['writer_rate']:.0f} keys/s during the steady steps (--writer-rate); tier "
+          f"counts { {k: v for k, v in counts.items() if v} }")
+    print(f"  delay until another engine's write is found (--delay-keys): {shared['delay']}")
+
+
 def _block(key: bytes, block_bytes: int) -> torch.Tensor:
     seed = int.from_bytes(key[:8], "little")
     return torch.randint(0, 256, (block_bytes,), dtype=torch.uint8,
