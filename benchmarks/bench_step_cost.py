@@ -51,6 +51,7 @@ import torch
 from step_cost_compat import API, make_worker, storage_key_of
 from step_cost_engine import SimEngine, Workload
 from step_cost_prefill import PrefillCase, plan_prefill
+from step_cost_report import print_calls, print_comparison, print_prefills, print_steps
 from step_cost_stats import phase_summary
 from step_cost_tier import SyntheticTier
 from vllm import SamplingParams
@@ -116,7 +117,16 @@ def run_steps(args) -> dict:
     num_blocks = args.engine_blocks * len(specs)
     _, caches = allocate_kv_caches(groups, num_blocks, "LBHNC")  # vLLM CPU's layout
     block_bytes = sum(2 * spec.page_size_bytes for spec in specs)
-    tier = SyntheticTier(inventory, page_bytes=block_bytes)
+    shared = None
+    if getattr(args, "tier", "synthetic") == "valkey":  # (step_cost_shared.py)
+        from step_cost_shared import start_valkey
+
+        shared = start_valkey(inventory, {storage_key_of(k) for k in doc_keys}, block_bytes)
+        tier = shared.tier
+        inventory_left, tier_counts = shared.inventory_left, shared.counts
+    else:
+        tier = SyntheticTier(inventory, page_bytes=block_bytes)
+        inventory_left, tier_counts = tier.inventory_left, lambda: dict(tier.counts)
     worker = make_worker(OffloadConfig(cpu_bytes_to_use=args.host_mib << 20), caches, groups,
                          num_blocks, tier)
     scheduler = OffloadScheduler(specs, BLOCK, 1)
@@ -130,7 +140,7 @@ def run_steps(args) -> dict:
     if args.report_cap is not None and hasattr(worker_side, "REPORT_MAX_KEYS"):
         worker_side.REPORT_MAX_KEYS = args.report_cap  # read by report() at every call
     cap = getattr(worker_side, "REPORT_MAX_KEYS", None)
-    records, reported, stream_end = [], 0, None
+    records, reported, stream_end, delay = [], 0, None, None
     started = time.monotonic()
     try:
         while True:
@@ -139,16 +149,23 @@ def run_steps(args) -> dict:
             # Streaming until the tier has listed its whole inventory and the worker has
             # reported it (no more than a step's worth of changes left behind).
             streaming = reported < len(inventory) or record.report_keys == cap or \
-                tier.inventory_left() > 0 or pending_changes(worker) > 1024
+                inventory_left() > 0 or pending_changes(worker) > 1024
             reported += record.report_keys
             if stream_end is None and not streaming:
                 stream_end = record.step  # the first step after the inventory arrived
+                if shared is not None:  # another engine writes while this one steps
+                    shared.start_writer(args.writer_rate)
             if stream_end is not None and \
                     record.step + 1 >= max(stream_end, args.warmup_steps) + args.steady_steps:
                 break
+        if shared is not None:
+            shared.stop_writer()
+            delay = shared.measure_delay(args.delay_keys)
     finally:
         engine.gc.close()
         worker.shutdown()
+        if shared is not None:
+            shared.close()
     wall = time.monotonic() - started
     first, steady = records[:stream_end], records[-args.steady_steps:]
     return {
@@ -156,7 +173,10 @@ def run_steps(args) -> dict:
         "requests": args.requests,
         "forward_ms": args.forward_ms, "batched_tokens": args.batched_tokens,
         "report_cap": cap, "steps": len(records), "wall_s": wall, "gc_freeze": args.gc_freeze,
-        "tier": dict(tier.counts),
+        "tier": tier_counts() if shared is None else shared.final_counts,
+        "shared": None if shared is None else {
+            "kind": args.tier, "fill_s": shared.fill_s, "start_up_s": shared.start_up_s,
+            "writer_rate": args.writer_rate, "delay": delay},
         "first_steps": phase_summary(first),
         "steady_state": phase_summary(steady),
     }
@@ -179,90 +199,6 @@ def run_prefills(args) -> list[dict]:
         row = runs[len(runs) // 2]
         row["prefill_planning_ms_runs"] = [r["prefill_planning_ms"] for r in runs]
         rows.append(row)
-    return rows
-
-
-# --- tables ---
-
-def print_steps(result: dict) -> None:
-    steps = result["steps"]
-    print(f"\n[{result['label']}] per-step cost (ms), {steps['keys']:,} keys on disk, "
-          f"{steps['requests']} requests, model {steps['model']}, forward {steps['forward_ms']} "
-          f"ms ({steps['steps']} steps in {steps['wall_s']:.1f} s); wall = what the engine "
-          f"thread waited, cpu = its CPU time")
-    header = f"{'phase':13} {'side':9} {'steps':>5} {'wall p50':>9} {'p99':>8} {'max':>8} " \
-             f"{'>1ms':>5} {'cpu p50':>8} {'p99':>8} {'max':>8} {'sum':>9}"
-    print(header + "\n" + "-" * len(header))
-    for phase in ("first_steps", "steady_state"):
-        summary = steps[phase]
-        for side in ("scheduler", "worker", "ipc"):
-            w, c = summary[side], summary[f"{side}_cpu"]
-            print(f"{phase:13} {side:9} {summary['steps']:>5} {w['p50']:>9.3f} "
-                  f"{w['p99']:>8.3f} {w['max']:>8.1f} {w['over_1ms']:>5} {c['p50']:>8.3f} "
-                  f"{c['p99']:>8.3f} {c['max']:>8.1f} {c['sum']:>9.1f}")
-    for phase in ("first_steps", "steady_state"):
-        summary = steps[phase]
-        print(f"  {phase}: report keys p50 {summary['report_keys']['p50']:.0f} max "
-              f"{summary['report_keys']['max']:.0f}; per step: {summary['lookups']:.1f} "
-              f"lookups, {summary['loads']:.2f} loads, {summary['stored_blocks']:.0f} blocks "
-              f"stored, {summary['scheduled_tokens']:.0f} tokens; garbage collector: "
-              f"{summary['gc']['full_collections']} full collections, pauses "
-              f"{summary['gc']['pause_per_step']['sum']:.0f} ms in all (cpu "
-              f"{summary['gc']['pause_cpu_per_step']['sum']:.0f}), at most "
-              f"{summary['gc']['pause_per_step']['max']:.0f} ms in one step (cpu "
-              f"{summary['gc']['pause_cpu_per_step']['max']:.0f})")
-
-
-def print_calls(result: dict) -> None:
-    print(f"\n[{result['label']}] per call, wall ms p50 / p99 / max (cpu p99)")
-    for phase in ("first_steps", "steady_state"):
-        calls, cpu = result["steps"][phase]["calls"], result["steps"][phase]["calls_cpu"]
-        print(f"  {phase}: " + ", ".join(
-            f"{name} {c['p50']:.3f}/{c['p99']:.3f}/{c['max']:.1f} ({cpu[name]['p99']:.3f})"
-            for name, c in calls.items() if c["max"] > 0))
-
-
-def print_prefills(result: dict) -> None:
-    print(f"\n[{result['label']}] store planning of a long prefill (ms)")
-    header = f"{'case':28} {'blocks':>7} {'prefill':>9} {'(cpu)':>8} {'max step':>9} " \
-             f"{'decode':>8} {'lookup':>7} {'reports':>8}"
-    print(header + "\n" + "-" * len(header))
-    for r in result["prefill"]:
-        print(f"{r['case']:28} {r['blocks_planned']:>7} {r['prefill_planning_ms']:>9.2f} "
-              f"{r['prefill_planning_cpu_ms']:>8.2f} {r['max_step_ms']:>9.2f} "
-              f"{r['decode_planning_ms']:>8.2f} {r['lookup_ms']:>7.2f} "
-              f"{r['apply_reports_ms']:>8.2f}")
-
-
-def print_comparison(results: list[dict]) -> None:
-    names = [r["label"] for r in results]
-    print("\n" + "; ".join(f"[{i}] {name}" for i, name in enumerate(names)) +
-          "; ratio = [0] / [i]")
-    header = f"{'measure (ms)':50}" + "".join(f"{f'[{i}]':>10}" for i in range(len(results))) \
-        + "".join(f"{f'[0]/[{i}]':>9}" for i in range(1, len(results)))
-    print(header + "\n" + "-" * len(header))
-    for name, values in comparison_rows(results):
-        cells = "".join(f"{v:>10.3f}" for v in values)
-        ratios = "".join(f"{values[0] / v:>9.1f}" if v else f"{'n/a':>9}" for v in values[1:])
-        print(f"{name:50}{cells}{ratios}")
-
-
-def comparison_rows(results: list[dict]) -> list[tuple[str, list[float]]]:
-    rows = []
-    if all("steps" in r for r in results):
-        for phase, label in (("first_steps", "first steps"), ("steady_state", "steady")):
-            for side in ("scheduler", "worker"):
-                for kind, suffix in ((side, ""), (f"{side}_cpu", " cpu")):
-                    for stat in ("p50", "p99", "max", "sum"):
-                        rows.append((f"{label} {side}{suffix} {stat}",
-                                     [r["steps"][phase][kind][stat] for r in results]))
-    if all("prefill" in r for r in results):
-        for i, case in enumerate(results[0]["prefill"]):
-            for key, label in (("prefill_planning_ms", "total"),
-                               ("prefill_planning_cpu_ms", "total cpu"),
-                               ("max_step_ms", "max step")):
-                rows.append((f"prefill planning {label}, {case['case']}",
-                             [r["prefill"][i][key] for r in results]))
     return rows
 
 
@@ -329,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tier", choices=("synthetic", "valkey"), default="synthetic",
+                        help="the storage tier holding the --keys keys: the synthetic index, "
+                        "or a real ValkeyTier on a loopback redis-server (step_cost_shared.py, "
+                        "with --writer-rate, --delay-keys)")
+    parser.add_argument("--writer-rate", type=float, default=200.0)
+    parser.add_argument("--delay-keys", type=int, default=200)
     parser.add_argument("--report-cap", type=int, help="key changes per worker report "
                         "(sets worker_side.REPORT_MAX_KEYS for this run; default: the tree's)")
     parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",

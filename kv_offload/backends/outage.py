@@ -23,13 +23,16 @@ import threading
 import time
 
 MIN_JITTER = 0.1  # the shortest wait, as a fraction of retry_interval_s
+MISSES = "its reads and writes are misses (recomputed)"
 
 
 class Outage:
     """Thread-safe up/down state of one server, with a retry interval while down."""
 
-    def __init__(self, what: str, retry_interval_s: float, logger: logging.Logger) -> None:
+    def __init__(self, what: str, retry_interval_s: float, logger: logging.Logger,
+                 consequence: str = MISSES) -> None:
         self.what = what
+        self.consequence = consequence  # what the episode costs, for its warning
         self.retry_interval_s = retry_interval_s
         self.episodes = 0  # how many times the server went down
         self.skipped = 0  # calls not attempted because the server was down
@@ -75,9 +78,8 @@ class Outage:
             self.episodes += 1
             self._skipped_at_start = self.skipped
         self._logger.warning(
-            "kv-offload: %s failed (%s: %s); its reads and writes are misses (recomputed) "
-            "until it answers again, retried every %.1f s",
-            self.what, type(error).__name__, error, self.retry_interval_s)
+            "kv-offload: %s failed (%s: %s); %s until it answers again, retried every %.1f s",
+            self.what, type(error).__name__, error, self.consequence, self.retry_interval_s)
 
     def succeeded(self) -> None:
         """A call went through: end the episode, if one is open."""
@@ -97,10 +99,12 @@ class Outages:
     """One ``Outage`` per server of a store made of several (a Valkey Cluster's primaries):
     jobs on a dead node fail fast while the others are served. Thread-safe."""
 
-    def __init__(self, what: str, retry_interval_s: float, logger: logging.Logger) -> None:
+    def __init__(self, what: str, retry_interval_s: float, logger: logging.Logger,
+                 consequence: str = MISSES) -> None:
         self._what = what  # e.g. "Valkey cluster at redis://host:port/0"
         self._retry_interval_s = retry_interval_s
         self._logger = logger
+        self._consequence = consequence
         self._lock = threading.Lock()
         self._by_node: dict[str, Outage] = {}
 
@@ -111,7 +115,7 @@ class Outages:
             with self._lock:
                 found = self._by_node.setdefault(node, Outage(
                     label or f"{self._what} node {node}", self._retry_interval_s,
-                    self._logger))
+                    self._logger, self._consequence))
         return found
 
     @property

@@ -1,7 +1,9 @@
 """A shared tier's background refresh: its `refresh()` every `interval_s` on its own thread.
 
-Tiers whose keys other engines also write (Valkey, S3) learn of those writes only by listing
-the store again; the filesystem tier has its own rescanner (it also reconciles its budget).
+Tiers whose keys other engines also write (Valkey, S3) learn of those writes in the background:
+each call polls what the store offers (Valkey: keyspace notifications, then a few pages of a
+paced SCAN; S3: a few pages of a paced listing), bounded per call; the filesystem tier has
+its own rescanner (it also reconciles its budget).
 A failed refresh is logged and the next one runs: a bug in one listing must not end the
 refreshes silently. `stopping` is set by `stop()`, so a long listing can end early.
 """

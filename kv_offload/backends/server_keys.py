@@ -10,8 +10,10 @@ misses is a miss (the engine recomputes), never wrong bytes.
 Scans are merged with a generation stamp, as the filesystem tier's index does: SCAN returns
 every key present for its whole duration, but a key added while it runs may be missing from
 it, so only keys already in the view when the scan began are dropped when the scan did not
-see them. Every change also goes to the view's ``ChangeFeed`` (the filesystem tier's), under
-the view's lock, so the feed and the view never disagree.
+see them. A paced scan (the Valkey tier's crawl, a few pages per poll) stamps the keys it
+sees with ``confirm`` and ends with ``drop_unseen``. Every change also goes to the view's
+``ChangeFeed`` (the filesystem tier's), under the view's lock, so the feed and the view
+never disagree.
 """
 
 from __future__ import annotations
@@ -88,6 +90,20 @@ class ServerKeys:
             for key in new:
                 self._feed.added(key)
         return len(new), len(gone)
+
+    def confirm(self, keys: Iterable[bytes], generation: int) -> int:
+        """Keys a paced scan of ``generation`` saw: adopted if new, and stamped so that the
+        end of that scan (``drop_unseen``) keeps them. Returns the keys added."""
+        added = 0
+        with self._lock:
+            for key in keys:
+                stamp = self._stamps.get(key)
+                if stamp is None:
+                    self._feed.added(key)
+                    added += 1
+                if stamp is None or stamp < generation:
+                    self._stamps[key] = generation
+        return added
 
     def drop_unseen(self, seen: Callable[[bytes], bool], generation: int,
                     pause: Pause = let_others_run) -> int:

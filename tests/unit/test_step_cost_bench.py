@@ -59,3 +59,17 @@ def test_a_short_run_streams_the_inventory_stores_loads_and_plans_every_prefill_
     assert full["blocks_planned"] == 4096 // 16 + 32 // 16
     assert hybrid["blocks_planned"] == 2 * full["blocks_planned"]
     assert full["steps"] == 4096 // 512 + 32
+
+
+@pytest.mark.skipif(__import__("shutil").which("redis-server") is None,
+                    reason="no redis-server on PATH (apt-get install -y redis-server)")
+def test_a_short_run_over_a_real_valkey_server_finds_another_engines_writes():
+    args = argparse.Namespace(
+        seed=0, model="full", keys=3000, engine_blocks=8000, host_mib=16, requests=24,
+        batched_tokens=1024, forward_ms=1.0, warmup_steps=60, steady_steps=10,
+        gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0, delay_keys=5)
+    steps = bench_step_cost.run_steps(args)
+    assert steps["first_steps"]["report_keys"]["sum"] >= args.keys  # the server's keys
+    assert steps["tier"]["read_ok"] > 0 and steps["tier"]["write_ok"] > 0  # real I/O ran
+    delay = steps["shared"]["delay"]
+    assert delay["keys"] == 5 and delay["not_found"] == 0 and delay["max_ms"] < 30_000

@@ -216,3 +216,61 @@ def test_a_node_down_at_start_is_found_to_be_a_cluster_node_once_it_answers(clus
     out = [torch.empty(BLOCK, dtype=torch.uint8) for _ in keys]
     assert read(tier, keys, out).ok and all(torch.equal(o, d) for o, d in zip(out, data))
     tier.close()
+
+
+def fill_cluster(url: str, n: int) -> None:
+    """Other applications' keys on every primary: a SCAN pass with COUNT 10 is then slow."""
+    with redis.cluster.RedisCluster.from_url(url) as admin:
+        pipe = admin.pipeline()
+        for i in range(n):
+            pipe.set(f"other-app:{i}", b"x")
+        pipe.execute()
+
+
+def until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_writes_and_deletions_on_every_primary_reach_a_reader_by_notification(cluster):
+    fill_cluster(cluster.url, 6000)
+    prefix = unique_name("c") + ":"
+    writer = make_tier(cluster.url, prefix)
+    reader = make_tier(cluster.nodes[-1].url, prefix, refresh_interval_s=0.05, scan_count=10)
+    assert reader._feed.subscribed == 3  # one subscription per primary
+    keys, data = keys_and_data(30, 9)
+    assert write(writer, keys, data).ok
+    until(lambda: reader.lookup(keys) == [True] * 30, 10.0, "writes never reached the reader")
+    gone = keys[::3]
+    with redis.cluster.RedisCluster.from_url(cluster.url) as admin:
+        for key in gone:
+            admin.delete(writer._name(key))
+    until(lambda: reader.lookup(keys) == [key not in gone for key in keys], 10.0,
+          "deletions never reached the reader")
+    assert reader.stats()["scan_passes"] == 0 and reader.stats()["feed_events"] >= 40
+    writer.close()
+    reader.close()
+
+
+def test_a_replica_promoted_after_a_failover_is_subscribed_and_its_writes_are_found(
+        own_cluster):
+    fill_cluster(own_cluster.url, 6000)
+    prefix = unique_name("c") + ":"
+    reader = make_tier(own_cluster.url, prefix, refresh_interval_s=0.05, scan_count=10,
+                       retry_interval_s=0.2, timeout_s=0.5, connect_timeout_s=0.5)
+    victim = own_cluster.primaries()[0]
+    victim.kill()
+    own_cluster.wait_until_ready(30)
+    promoted = [p for p in own_cluster.primaries() if p is not victim]
+    assert len(promoted) == 3
+    writer = make_tier(promoted[0].url, prefix)
+    keys, data = keys_and_data(60, 10)
+    assert write(writer, keys, data).ok
+    until(lambda: reader.lookup(keys) == [True] * 60, 15.0,
+          "writes on the promoted primary never reached the reader")
+    subscribed = set(reader._feed._subscribed)
+    assert {f"127.0.0.1:{p.port}" for p in promoted} <= subscribed
+    writer.close()
+    reader.close()

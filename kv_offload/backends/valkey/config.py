@@ -51,9 +51,17 @@ class ValkeyTierConfig:
     connect_timeout_s: float = option("seconds", 1.0, "bound on each connect")
     connections: int = option("count", 4, "connections to the server, one I/O thread each")
     batch_bytes: int = option("size", 64 << 20, "value bytes per pipelined batch")
-    refresh_interval_s: float = option("seconds", 5.0, "seconds between background SCANs "
-                                                       "of the keys (0: only at start)")
+    refresh_interval_s: float = option("seconds", 0.5, "seconds between two polls of the "
+                                                       "keyspace notifications and the paced "
+                                                       "SCAN (0: SCAN only at start)")
     scan_count: int = option("count", 1000, "COUNT hint of each SCAN call")
+    scan_pages_per_refresh: int = option("count", 1, "SCAN calls per primary per poll: "
+                                                     "bounds the work of the paced SCAN")
+    keyspace_events: bool = option("bool", True, "subscribe to keyspace notifications of "
+                                                 "the tier's keys (enabled with CONFIG SET "
+                                                 "where the server allows it)")
+    events_per_poll: int = option("count", 20_000, "keyspace notifications applied per "
+                                                   "server per poll, at most")
     retry_interval_s: float = option("seconds", 1.0, "while the server is unreachable, how "
                                                      "often one call tries again")
     password_file: str | None = option("optional_str", None, "a file holding the password "

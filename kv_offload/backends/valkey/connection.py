@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterError,
     NoPermissionError,
+    RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
@@ -46,8 +47,9 @@ from kv_offload.errors import ConfigError
 
 # Errors that say a server is unreachable, stalled or between primaries (not that one
 # command was refused): the keys are misses and the server's Outage opens.
+# (RedisClusterException: the cluster client found no node it could reach.)
 SERVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError,
-                 SlotNotCoveredError, TryAgainError)
+                 SlotNotCoveredError, TryAgainError, RedisClusterException)
 SINGLE = "server"  # the one node name of a single-server connection
 
 
@@ -200,7 +202,8 @@ class ValkeyConnection:
             {"__init__": lambda self, **kw: base.__init__(self, **{
                 "command_packer": packer, **kw})})
         return {
-            "max_connections": config.connections + 2,  # + the refresh thread, + clear()
+            # + the refresh thread, + clear(), + the keyspace notifications' subscription
+            "max_connections": config.connections + 3,
             "timeout": config.timeout_s,  # waiting for a free connection is bounded too
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,

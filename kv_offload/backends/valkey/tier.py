@@ -9,7 +9,10 @@
   episode. Deleting it is what keeps ``SET NX`` from keeping a planted value for good: the
   next write after the failed read stores the real one.
 - ``lookup`` answers from an in-memory ``ServerKeys`` (never the network): our own writes and
-  reads, and a background ``SCAN`` every ``refresh_interval_s`` (see server_keys.py).
+  reads, a whole ``SCAN`` at start, then every ``refresh_interval_s`` a background poll of
+  the server's keyspace notifications (feed.py: other engines' writes, deletions and
+  evictions, within one poll) and a few pages of a paced ``SCAN`` that reconciles what the
+  notifications missed (crawl.py). No poll does work proportional to the store.
 - Jobs run on ``connections`` I/O threads, split into batches of at most ``batch_bytes`` (and
   spread over the connections). Each batch is two pipelined round trips for writes (``EXISTS``
   for every key, then ``SET NX`` for the missing ones: the same key always names the same
@@ -29,8 +32,8 @@
   (connection.py). Jobs are split per primary (by key slot) and each batch is one pipeline
   to one node, with an ``Outage`` per node: jobs on a dead primary fail fast as misses
   while the others are served, and once a replica has taken over (redis-py re-reads the
-  slot table after the failure), its keys go to the new primary. The background SCAN
-  walks every primary; a scan that missed a primary only adopts keys, drops none.
+  slot table after the failure), its keys go to the new primary. Notifications and the
+  paced SCAN run per primary; a scan that missed a primary only adopts keys, drops none.
 
 Values go out as header + host buffer straight to the socket (packer.py: no joined copy).
 Replies are parsed by hiredis when it is installed.
@@ -39,6 +42,7 @@ Replies are parsed by hiredis when it is installed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,6 +79,8 @@ from kv_offload.backends.valkey.connection import (
     ValkeyConnection,
     raise_server_error,
 )
+from kv_offload.backends.valkey.crawl import ServerCrawl
+from kv_offload.backends.valkey.feed import KeyspaceFeed
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
 from kv_offload.backends.valkey.reads import ValkeyReads
 
@@ -84,7 +90,7 @@ logger = logging.getLogger(__name__)
 # reallocation, which cost 2x the client CPU per GB with four 4 MiB values per pipeline
 # against one (measured on loopback). Small values still share a round trip.
 READ_BATCH_BYTES = 1 << 20
-
+MEMORY_INTERVAL_S = 5.0  # how often a background poll refreshes the server's memory figures
 
 
 class ValkeyTier(StorageTier):
@@ -107,13 +113,22 @@ class ValkeyTier(StorageTier):
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io",
                                       initializer=join_our_cpus)
-        self._refresher = Refresher(self.refresh, config.refresh_interval_s,
+        self._refresher = Refresher(self._poll, config.refresh_interval_s,
                                     name="kv-valkey-refresh", what=self.config.display_url)
+        self._crawl = ServerCrawl(config, self._conn, self._view, self._outages, self._book,
+                                  match=self._match(), key_of=self._key_of, name_of=self._name,
+                                  stopping=self._refresher.stopping)
+        self._feed = KeyspaceFeed(config, self._conn, self._view, self._book,
+                                  namespace=self._prefix, match=self._match(),
+                                  key_of=self._key_of)
+        self._memory_at = 0.0  # monotonic time of the last memory figures
         try:
             self._conn.open()  # ConfigError: refused credentials, TLS, ACL, cluster URL
         except BaseException:
             self._io.shutdown(wait=False)
             raise
+        if self._conn.decided:
+            self._feed.start()  # (before the scan: a write during it is not missed)
         self.refresh()  # the keys already there, before the first lookup (bounded by timeouts)
         self._refresher.start()
 
@@ -156,6 +171,7 @@ class ValkeyTier(StorageTier):
         if not self._book.close():
             return
         self._refresher.stop(timeout_s=self.config.request_timeout_s + self.config.timeout_s)
+        self._feed.close()
         self._io.shutdown(wait=True)
         self._conn.close()
 
@@ -212,52 +228,50 @@ class ValkeyTier(StorageTier):
         return True
 
     def refresh(self) -> None:
-        """SCAN every server now (each primary of a cluster): adopt keys others wrote, drop
-        keys they no longer hold."""
-        if not self._conn.decided:  # (unreachable at start: is it a cluster node?)
-            if not self._outages.of(SINGLE).should_try():
-                return
-            try:
-                with request_deadline(self.config.request_timeout_s):
-                    self._conn.settle()
-            except SERVER_ERRORS as e:
-                self._outages.of(SINGLE).failed(e)
-                self._book.count("refresh_failed")
-                return
-        generation = self._view.begin_scan()
-        found: list[bytes] = []
-        complete = True
-        for node in self._conn.primaries():
-            outage = self._outages.of(node.name if node is not None else SINGLE)
-            if not outage.should_try():
-                complete = False
-                continue
-            try:
-                cursor = None
-                while cursor != 0:
-                    if self._refresher.stopping.is_set():
-                        return  # closing: an unfinished scan must not drop anything
-                    with request_deadline(self.config.request_timeout_s):
-                        cursor, names = self._conn.scan_page(node, cursor or 0, self._match(),
-                                                             self.config.scan_count)
-                    found += [key for key in map(self._key_of, names) if key is not None]
-                outage.succeeded()
-            except SERVER_ERRORS as e:
-                outage.failed(e)
-                complete = False
-        if not complete:  # a primary not scanned: its keys are not known gone
-            self._book.count("refresh_failed")
-            self._view.add(found)
+        """SCAN every server whole now (each primary of a cluster): adopt keys others wrote,
+        drop keys they no longer hold. Runs at start; the refresher thread polls instead."""
+        if not self._settled():
             return
+        if not self._crawl.full():  # a primary not scanned: its keys are not known gone
+            self._book.count("refresh_failed")
+            return
+        self._update_memory()
+        self._book.count("refreshes")
+
+    def _poll(self) -> None:
+        """One background poll: the keyspace notifications that arrived (bounded), then the
+        next pages of the paced SCAN (bounded). Work proportional to what changed."""
+        if not self._settled():
+            return
+        self._feed.poll()
+        self._crawl.poll()
+        if time.monotonic() - self._memory_at >= MEMORY_INTERVAL_S:
+            self._update_memory()
+
+    def _settled(self) -> bool:
+        """Whether the connection knows what the server is (single or cluster node); an
+        unreachable server at start is asked again here, once it answers."""
+        if self._conn.decided:
+            return True
+        if not self._outages.of(SINGLE).should_try():
+            return False
+        try:
+            with request_deadline(self.config.request_timeout_s):
+                self._conn.settle()
+        except SERVER_ERRORS as e:
+            self._outages.of(SINGLE).failed(e)
+            self._book.count("refresh_failed")
+            return False
+        self._feed.start()
+        return True
+
+    def _update_memory(self) -> None:
+        self._memory_at = time.monotonic()
         try:
             with request_deadline(self.config.request_timeout_s):
                 self._server_memory = self._conn.memory()
         except SERVER_ERRORS:
             pass  # (the memory figures are for stats only: keep the last ones)
-        added, dropped = self._view.merge_scan(found, generation)
-        self._book.count("refreshes")
-        self._book.count("keys_adopted", n=added)
-        self._book.count("keys_vanished", n=dropped)
 
     # -- internals -------------------------------------------------------------------------
 
