@@ -137,11 +137,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._contained("start_load_kv", start, fail_all)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: a request runs only once its load finished
+        # Layer-wise in-step loads (worker_layers.py): this layer's bytes are in; if we
+        # cannot tell, the step's layer-wise loads are reported failed (recomputed).
+        self._contained("wait_for_layer_load", lambda: self._worker.wait_for_layer(layer_name),
+                        self._worker.fail_layer_loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None  # stores copy whole blocks after the forward (wait_for_save)
+        # Layer-wise stores: the forward is done with this layer, copy it out now (a fault
+        # only delays the copy: wait_for_save releases every layer)
+        meta = self._get_connector_metadata()
+        self._contained("save_kv_layer", lambda: self._worker.layer_saved(
+            layer_name, meta.stores, meta.step), None)
 
     def wait_for_save(self) -> None:
         self._contained("wait_for_save", lambda: self._worker.start_stores(
