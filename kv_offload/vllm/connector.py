@@ -169,10 +169,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Blocks of this step's in-step loads that did not arrive (only models with one
         # group load in-step); asynchronous loads fail per request (get_transfer_results).
-        # If the errors cannot be taken, every block of this step's in-step loads is one.
+        # If the errors cannot be taken, every block of this step's in-step loads is one,
+        # read from the step's metadata too (the worker may have failed to record them).
+        recorded = set(self._worker.in_step_blocks)
         return self._contained("get_block_ids_with_load_errors",
                                self._worker.take_block_errors,
-                               lambda: set(self._worker.in_step_blocks), set)
+                               lambda: recorded | self._get_connector_metadata()
+                               .in_step_block_ids(), recorded)
 
     def build_connector_worker_meta(self) -> Any:
         return self._contained("build_connector_worker_meta", self._worker.report, None)

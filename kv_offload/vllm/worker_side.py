@@ -157,17 +157,17 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker):
         in_flight = [job.step for job in self._jobs.values() if job.request_id is None]
         return min(in_flight) - 1 if in_flight else self._stores_submitted
 
-    def _stragglers(self) -> list[int]:
-        """Lock held: stores whose copy out of engine memory may still run."""
+    def _stragglers(self) -> list[int]:  # lock held: stores that may still read the engine
         return [job_id for job_id, job in self._jobs.items()
                 if job.request_id is None and not job.abandoned]
 
     def step_started(self) -> None:
-        """A step's execution begins (vLLM's `handle_preemptions`, before any forward): the
-        engine stops scheduling, the pump runs freely again."""
+        """A step begins (vLLM's `handle_preemptions`, before any forward): the engine stops
+        scheduling, the pump runs freely again."""
         self._pump.step_started()
-        with self._lock:
-            self._release_layer_stores()  # (one whose wait_for_save never came)
+        with self._lock:  # (the last forward's, if its wait_for_save never came)
+            self._release_layer_stores()
+            self._end_layer_loads()
 
     def begin_step(self, step: int) -> None:  # a new step's plans arrived
         self._step = step
