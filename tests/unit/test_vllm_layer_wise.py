@@ -229,3 +229,36 @@ def test_where_layers_cannot_be_cut_an_in_step_load_ends_before_the_forward(work
     for b, original in zip(BLOCKS, originals):
         assert same_bytes(engine.block_bytes(0, b), original)
     assert worker.take_block_errors() == set()
+
+
+class FailingWorker(OffloadWorker):
+    """A worker whose step start and error report both fail (as the fault-injection e2e
+    test makes them fail, in the same step)."""
+
+    def begin_step(self, step: int) -> None:
+        raise RuntimeError("injected: begin_step")
+
+    def take_block_errors(self) -> set[int]:
+        raise RuntimeError("injected: take_block_errors")
+
+
+@pytest.mark.parametrize("layer_wise", [True, False])
+def test_when_the_worker_can_neither_start_nor_report_in_step_loads_all_their_blocks_recompute(
+        workers, layer_wise):
+    from kv_offload.vllm.connector import KVOffloadConnector
+    from kv_offload.vllm.metadata import KVOffloadMetadata
+
+    engine = Engine(GROUPS)
+    worker = start(engine, FailingWorker, layer_wise=layer_wise)
+    workers.append(worker)
+    stored_then_zeroed(engine, worker)
+    # The connector's own methods over the real worker (its vLLM-facing constructor needs
+    # a running vLLM; the routing under test does not).
+    connector = KVOffloadConnector.__new__(KVOffloadConnector)
+    connector._worker, connector._faults = worker, worker.faults
+    connector.bind_connector_metadata(KVOffloadMetadata(
+        loads={"r": {0: (HASHES, BLOCKS)}}, in_step=["r"], failed_blocks=[7], step=1))
+    connector.start_load_kv(None)  # contained: the worker never saw these loads
+    for name in LAYERS:
+        connector.wait_for_layer_load(name)
+    assert connector.get_block_ids_with_load_errors() == {*BLOCKS, 7}
