@@ -87,6 +87,7 @@ def test_faults_in_in_step_and_layer_wise_loads_leave_outputs_identical(tiny_mod
     # 5th call of each of our methods (the per-layer hooks included) and every 5th copy of
     # one layer inside a load or store (the layers before it already arrived).
     config = faulty(connector_config(None))
+    config["kv_connector_extra_config"]["layer_wise"] = True
     passes = [{}] + [{"reset_prefix_cache": True}] * 3
     result = run_engine(spec(tiny_models["llama"], passes, config, engine_args=SERIAL),
                         tmp_path / "faulty", env={"KV_OFFLOAD_FAULT_EVERY": "5"})

@@ -55,6 +55,7 @@ class PacedWorker(OffloadWorker):
 
 
 def start(engine: Engine, cls=OffloadWorker, **config) -> OffloadWorker:
+    config = {"layer_wise": True, **config}
     worker = cls(OffloadConfig(cpu_bytes_to_use=1 << 20, **config), 0, "test-model")
     worker.register(engine.caches, engine.groups, NUM_BLOCKS)
     return worker
