@@ -51,8 +51,8 @@ class LayerWiseOfWorker:
         """At `register`: whether loads and stores go layer-wise on this rank, and why not."""
         copier = self.store.cpu.layer_copier
         refusal = "turned off (layer_wise: false)" if not self.config.layer_wise else \
-            "GPU copies run whole" if copier is None else \
-            layer_cut_refusal(self.canonical, specs)
+            layer_cut_refusal(self.canonical, specs) or \
+            ("GPU copies are not cut per layer yet" if copier is None else None)
         self.layer_wise = refusal is None
         if self.layer_wise:
             self._layer_index = {name: i for i, name in enumerate(copier.layer_names)}
