@@ -19,11 +19,11 @@ each of N distinct long prompts, new to every cache, TTFT is the wall time of
   vllm_hit             in that engine, right after first sight: vLLM's own in-memory prefix
                        hit of the same prompt, the bar a hit from our tiers is held to
                        (the `x vLLM hit` column: host goal <= 1.05, disk <= 1.5).
-  host_whole_step      with `--compare-layer-wise`: the host pass again in a third engine
-                       whose connector has `layer_wise: false` (in-step loads finish before
-                       the forward, stores copy after it), with its own cold pass
-                       (`cold_whole_step`) and disk directory: layer-wise on vs off, side
-                       by side in one run.
+  host_layer_wise      with `--compare-layer-wise`: the host pass again in another engine
+                       whose connector has `layer_wise: true` (in-step loads copied layer by
+                       layer during the forward, stores as each layer is done), with its own
+                       cold pass (`cold_layer_wise`) and disk directory: layer-wise on vs the
+                       default (off, `host`), side by side in one run.
 
 vLLM's own first-token latency (`RequestOutput.metrics`, arrival -> first token; median) is
 reported beside the wall time, and the fastest sample (the least disturbed by other load).
@@ -60,7 +60,7 @@ ARCHS = {"llama": ("Llama-like", MODEL_SIZES),
                                              "kv_heads": 4, "linear_heads": 2})}
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
 PASSES = ("cold_no_connector", "vllm_hit", "cold_with_connector", "host", "disk",
-          "cold_whole_step", "host_whole_step")
+          "cold_layer_wise", "host_layer_wise")
 GOALS = {"host": 0.15, "disk": 0.3}  # TTFT ratio to recompute, from the issue
 HIT_GOALS = {"host": 1.05, "disk": 1.5}  # TTFT ratio to vLLM's own in-memory hit
 HIT_SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
@@ -190,13 +190,14 @@ def _engine_plans(args: argparse.Namespace, prompts: list[str], warmup: list[str
     plans = [("no-connector", None, baseline), ("connector", connector, tiered),
              ("connector-new-process", connector, disk)]
     if args.compare_layer_wise:  # (its own disk directory: every prompt new to it too)
-        whole = [_step(name, p, i, reset, settle, warmup=w)
-                 for w, group in ((True, warmup[:1]), (False, prompts))
-                 for i, p in enumerate(group)
-                 for name, reset in (("cold_whole_step", "none"), ("host_whole_step", "engine"))]
-        plans.append(("connector-whole-step",
-                      _transfer_config(_mkdir(disk_dir.with_name("disk-whole-step")),
-                                       layer_wise=False), whole))
+        layered = [_step(name, p, i, reset, settle, warmup=w)
+                   for w, group in ((True, warmup[:1]), (False, prompts))
+                   for i, p in enumerate(group)
+                   for name, reset in (("cold_layer_wise", "none"),
+                                       ("host_layer_wise", "engine"))]
+        plans.append(("connector-layer-wise",
+                      _transfer_config(_mkdir(disk_dir.with_name("disk-layer-wise")),
+                                       layer_wise=True), layered))
     return plans
 
 
@@ -248,7 +249,7 @@ def _summarise(samples: list[dict[str, Any]], prompt_tokens: int,
             where = f"{name} prompt {s['prompt_index']}"
             if name.startswith("cold") and s["num_cached_tokens"]:
                 problems.append(f"{where}: {s['num_cached_tokens']} cached tokens on first sight")
-            if (name in GOALS or name in ("vllm_hit", "host_whole_step")) and \
+            if (name in GOALS or name in ("vllm_hit", "host_layer_wise")) and \
                     s["num_cached_tokens"] < min_cached:
                 problems.append(f"{where}: {s['num_cached_tokens']} cached tokens, "
                                 f"expected >= {min_cached}")
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-ttft-"))
     disk_dir = work / "disk"
     shutil.rmtree(disk_dir, ignore_errors=True)  # every measured prompt new to every cache
-    shutil.rmtree(work / "disk-whole-step", ignore_errors=True)
+    shutil.rmtree(work / "disk-layer-wise", ignore_errors=True)
     _mkdir(disk_dir)
     results, starts, loads = [], {}, {}
     try:
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--compare-layer-wise", action="store_true",
-                        help="also run the host pass with layer_wise: false (host_whole_step)")
+                        help="also run the host pass with layer_wise: true (host_layer_wise)")
     args = parser.parse_args(argv)
     if args.child is not None:
         return _child(args.child)

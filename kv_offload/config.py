@@ -57,10 +57,12 @@ class OffloadConfig:
     loaded inside the step that schedules its request (its prefill runs in that step); a
     larger hit, or one read from the storage tier, waits in an asynchronous load. 0: always
     asynchronous."""
-    layer_wise: bool = True
+    layer_wise: bool = False
     """In-step loads and stores move layer by layer through vLLM's per-layer hooks (the
     forward of layer i overlaps the copies of the other layers) where the KV cache can be
-    cut per layer (kv_offload/vllm/worker_layers.py); false: whole-step copies."""
+    cut per layer (kv_offload/vllm/worker_layers.py). Off by default: on vLLM CPU our copy
+    threads then compete with the forward for the same cores, and host hits measured slower
+    than whole-step copies (README, "Benchmarks")."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
         """The offloaded chunk size in tokens: the engine's block size (the one rule: a

@@ -19,9 +19,9 @@ def test_minimal_config_uses_defaults():
 def test_full_config(tmp_path):
     config = parse_config({
         "cpu_bytes_to_use": "16GiB", "fs_root_dir": str(tmp_path), "fs_bytes_to_use": "1.5 TB",
-        "block_size": 256, "eviction_policy": "arc", "fs_fsync": True, "layer_wise": False,
+        "block_size": 256, "eviction_policy": "arc", "fs_fsync": True, "layer_wise": True,
     })
-    assert not config.layer_wise and OffloadConfig(cpu_bytes_to_use=1).layer_wise
+    assert config.layer_wise and not OffloadConfig(cpu_bytes_to_use=1).layer_wise
     assert config.cpu_bytes_to_use == 16 * 2**30
     assert config.fs_bytes_to_use == 1_500_000_000_000
     assert config.fs_root_dir == str(tmp_path)
