@@ -19,6 +19,11 @@ each of N distinct long prompts, new to every cache, TTFT is the wall time of
   vllm_hit             in that engine, right after first sight: vLLM's own in-memory prefix
                        hit of the same prompt, the bar a hit from our tiers is held to
                        (the `x vLLM hit` column: host goal <= 1.05, disk <= 1.5).
+  host_layer_wise      with `--compare-layer-wise`: the host pass again in another engine
+                       whose connector has `layer_wise: true` (in-step loads copied layer by
+                       layer during the forward, stores as each layer is done), with its own
+                       cold pass (`cold_layer_wise`) and disk directory: layer-wise on vs the
+                       default (off, `host`), side by side in one run.
 
 vLLM's own first-token latency (`RequestOutput.metrics`, arrival -> first token; median) is
 reported beside the wall time, and the fastest sample (the least disturbed by other load).
@@ -56,7 +61,8 @@ ARCHS = {"llama": ("Llama-like", MODEL_SIZES),
          "qwen3_next": ("Qwen3-Next-like", {"layers": 8, "hidden": 1024, "heads": 16,
                                              "kv_heads": 4, "linear_heads": 2})}
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
-PASSES = ("cold_no_connector", "vllm_hit", "cold_with_connector", "host", "disk")
+PASSES = ("cold_no_connector", "vllm_hit", "cold_with_connector", "host", "disk",
+          "cold_layer_wise", "host_layer_wise")
 GOALS = {"host": 0.15, "disk": 0.3}  # TTFT ratio to recompute, from the issue
 HIT_GOALS = {"host": 1.05, "disk": 1.5}  # TTFT ratio to vLLM's own in-memory hit
 HIT_SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
@@ -145,10 +151,11 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _transfer_config(fs_root_dir: Path) -> dict[str, Any]:
+def _transfer_config(fs_root_dir: Path, **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(fs_root_dir)}}
+            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(fs_root_dir),
+                                          **extra}}
 
 
 def _step(pass_name: str, prompt: str, index: int, reset: str, settle_s: float,
@@ -182,8 +189,18 @@ def _engine_plans(args: argparse.Namespace, prompts: list[str], warmup: list[str
     disk = [_step("disk", p, i, "none", settle, warmup=w)
             for w, group in ((True, warmup[:1]), (False, prompts))
             for i, p in enumerate(group)]
-    return [("no-connector", None, baseline), ("connector", connector, tiered),
-            ("connector-new-process", connector, disk)]
+    plans = [("no-connector", None, baseline), ("connector", connector, tiered),
+             ("connector-new-process", connector, disk)]
+    if args.compare_layer_wise:  # (its own disk directory: every prompt new to it too)
+        layered = [_step(name, p, i, reset, settle, warmup=w)
+                   for w, group in ((True, warmup[:1]), (False, prompts))
+                   for i, p in enumerate(group)
+                   for name, reset in (("cold_layer_wise", "none"),
+                                       ("host_layer_wise", "engine"))]
+        plans.append(("connector-layer-wise",
+                      _transfer_config(_mkdir(disk_dir.with_name("disk-layer-wise")),
+                                       layer_wise=True), layered))
+    return plans
 
 
 def _run_child(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -234,7 +251,8 @@ def _summarise(samples: list[dict[str, Any]], prompt_tokens: int,
             where = f"{name} prompt {s['prompt_index']}"
             if name.startswith("cold") and s["num_cached_tokens"]:
                 problems.append(f"{where}: {s['num_cached_tokens']} cached tokens on first sight")
-            if (name in GOALS or name == "vllm_hit") and s["num_cached_tokens"] < min_cached:
+            if (name in GOALS or name in ("vllm_hit", "host_layer_wise")) and \
+                    s["num_cached_tokens"] < min_cached:
                 problems.append(f"{where}: {s['num_cached_tokens']} cached tokens, "
                                 f"expected >= {min_cached}")
             if s["token_ids"] != reference.get(s["prompt_index"]):
@@ -288,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kv-offload-ttft-"))
     disk_dir = work / "disk"
     shutil.rmtree(disk_dir, ignore_errors=True)  # every measured prompt new to every cache
+    shutil.rmtree(work / "disk-layer-wise", ignore_errors=True)
     _mkdir(disk_dir)
     results, starts, loads = [], {}, {}
     try:
@@ -343,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=plot_path, metavar="PATH",
                         help="also draw TTFT by source in this PNG (matplotlib; several "
                              "models in one figure: python -m kv_offload.tools.plots ttft)")
+    parser.add_argument("--compare-layer-wise", action="store_true",
+                        help="also run the host pass with layer_wise: true (host_layer_wise)")
     args = parser.parse_args(argv)
     if args.child is not None:
         return _child(args.child)

@@ -57,6 +57,12 @@ class OffloadConfig:
     loaded inside the step that schedules its request (its prefill runs in that step); a
     larger hit, or one read from the storage tier, waits in an asynchronous load. 0: always
     asynchronous."""
+    layer_wise: bool = False
+    """In-step loads and stores move layer by layer through vLLM's per-layer hooks (the
+    forward of layer i overlaps the copies of the other layers) where the KV cache can be
+    cut per layer (kv_offload/vllm/worker_layers.py). Off by default: on vLLM CPU our copy
+    threads then compete with the forward for the same cores, and host hits measured slower
+    than whole-step copies (README, "Benchmarks")."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
         """The offloaded chunk size in tokens: the engine's block size (the one rule: a
@@ -138,10 +144,11 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             raise ConfigError(f"eviction_policy must be one of {list(POLICIES)} or "
                               f"'package.module:ClassName', got {policy!r}")
         values["eviction_policy"] = policy
-    if "fs_fsync" in extra:
-        if not isinstance(extra["fs_fsync"], bool):
-            raise ConfigError(f"fs_fsync must be true or false, got {extra['fs_fsync']!r}")
-        values["fs_fsync"] = extra["fs_fsync"]
+    for flag in ("fs_fsync", "layer_wise"):
+        if flag in extra:
+            if not isinstance(extra[flag], bool):
+                raise ConfigError(f"{flag} must be true or false, got {extra[flag]!r}")
+            values[flag] = extra[flag]
     values.update(_parse_storage_tier(extra))
     values.update(_parse_secret(extra))
     config = OffloadConfig(**values)

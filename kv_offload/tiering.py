@@ -35,6 +35,7 @@ import xxhash
 
 from kv_offload.backends.base import StorageTier, TierStats
 from kv_offload.backends.cpu import CpuBackend
+from kv_offload.backends.cpu.layer_copies import LayerSteps
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig, format_size
@@ -182,14 +183,16 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     # --- jobs ---
 
-    def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+    def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None,
+                     layers: LayerSteps | None = None) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
         skipped. A store larger than the host room is staged (`tiering_stores`): the job
         ends once every key is in a slot; keys that cannot get room are `skipped`. On a
         GPU every piece's copy waits for `ready` (an event on the engine's stream after the
         forward that wrote the blocks; `CpuBackend.engine_ready()`), also pieces submitted
-        later from the pump, so the CPU never waits for the forward."""
-        store = Store(self._new_job(), {}, time.monotonic(), ready=ready)
+        later from the pump, so the CPU never waits for the forward. `layers`: submitted
+        before the forward ended, every piece copies layer i once its gate opened."""
+        store = Store(self._new_job(), {}, time.monotonic(), ready=ready, layers=layers)
         self._stores[store.job_id] = store
         try:
             store.targets = targets_of(requests)
@@ -206,12 +209,15 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._finish_store_if_done(store)
         return store.job_id
 
-    def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None) -> int:
+    def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None,
+                    layers: LayerSteps | None = None) -> int:
         """Fill engine blocks from host slots, reading storage-only keys into slots first.
         On a GPU every copy into the engine waits for `ready` (recorded on the engine's
         stream when the load was planned: it orders them after vLLM's own work on those
-        blocks, even for pieces submitted later from another thread)."""
-        load = Load(self._new_job(), {}, time.monotonic(), ready=ready)
+        blocks, even for pieces submitted later from another thread). `layers`: a load
+        copied in one piece (all its keys in host memory) marks its layers copied in order
+        there; one in several pieces marks none (its result says when it all arrived)."""
+        load = Load(self._new_job(), {}, time.monotonic(), ready=ready, layers=layers)
         try:
             load.targets = targets_of(requests)
         except Exception as exc:
@@ -315,8 +321,8 @@ class TieredStore(LoadPipeline, StorePipeline):
             self._done.append(result)
 
     def _submit_cpu(self, record, direction: Direction, moves,
-                    ready: EngineReady | None = None) -> None:
-        self._cpu_jobs[self.cpu.submit(direction, moves, ready)] = record
+                    ready: EngineReady | None = None, layers: LayerSteps | None = None) -> None:
+        self._cpu_jobs[self.cpu.submit(direction, moves, ready, layers)] = record
 
     def _host_copied(self, record, success: bool) -> None:
         if isinstance(record, StorePiece):

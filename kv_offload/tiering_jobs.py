@@ -52,6 +52,7 @@ class Store:
     skipped: list[OffloadKey] = field(default_factory=list)  # no host room for them
     abandoned: bool = False  # the engine may have overwritten the blocks mid-copy
     ready: Any = None  # GPU: the engine-stream event its copies out of the engine wait for
+    layers: Any = None  # LayerSteps: every piece copies layer i once the forward released it
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Load:
     from_storage: int = 0
     closed: bool = False  # failed whole: pieces still in flight only release resources
     ready: Any = None  # GPU: the engine-stream event its copies into the engine wait for
+    layers: Any = None  # LayerSteps: the progress of a load copied in one piece, per layer
 
 
 @dataclass

@@ -59,9 +59,12 @@ class LoadPipeline:
         if not keys or load.closed:
             return
         slots = self.manager.prepare_load(keys)
+        # Progress per layer only for a load copied in one piece: with several pieces a
+        # layer copied by one is not yet copied by the others.
+        whole = load.pending == 0 and len(keys) == len(load.targets)
         try:
             self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets),
-                             load.ready)
+                             load.ready, load.layers if whole else None)
         except Exception:
             self.manager.complete_load(keys)
             raise

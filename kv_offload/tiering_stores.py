@@ -58,7 +58,8 @@ class StorePipeline:
             firsts = {k: store.targets[k][:1] for k in plan.keys}  # a key listed twice: once
             try:
                 self._submit_cpu(StorePiece(store, plan.keys), Direction.STORE,
-                                 transfers(plan.keys, plan.slots, firsts), store.ready)
+                                 transfers(plan.keys, plan.slots, firsts), store.ready,
+                                 store.layers)
             except Exception:
                 self.manager.complete_store(list(plan.keys), False)
                 raise

@@ -78,11 +78,13 @@ class _Run:
 
 
 def build_segments(
-    canonical: CanonicalKVCaches, layout: HostSlotLayout, pool: torch.Tensor
+    canonical: CanonicalKVCaches, layout: HostSlotLayout, pool: torch.Tensor, *,
+    fuse: bool = True
 ) -> list[list[Segment]]:
     """Per group, the segments that together cover every ref's real bytes.
 
-    `pool` is the host memory: an int8 `(num_slots, layout.slot_bytes)` tensor."""
+    `pool` is the host memory: an int8 `(num_slots, layout.slot_bytes)` tensor. `fuse`
+    False: one segment per ref (copies cut per layer, `backends/cpu/layer_copies.py`)."""
     if pool.dtype != torch.int8 or pool.dim() != 2 or pool.shape[1] != layout.slot_bytes:
         raise ValueError(
             f"host pool must be int8 (num_slots, {layout.slot_bytes}), got {pool.dtype} "
@@ -94,7 +96,8 @@ def build_segments(
     for g, refs in enumerate(canonical.group_refs):
         runs = [_place(canonical, i, ref, layout.ref_offsets[g][i]) for i, ref in enumerate(refs)]
         segments.append([
-            _segment(g, chunk, canonical.num_blocks, pool) for chunk in _fuse(runs)
+            _segment(g, chunk, canonical.num_blocks, pool)
+            for chunk in (_fuse(runs) if fuse else [[run] for run in runs])
         ])
     return segments
 

@@ -137,11 +137,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._contained("start_load_kv", start, fail_all)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: a request runs only once its load finished
+        # Layer-wise in-step loads (worker_layers.py): this layer's bytes are in; if we
+        # cannot tell, the step's layer-wise loads are reported failed (recomputed).
+        self._contained("wait_for_layer_load", lambda: self._worker.wait_for_layer(layer_name),
+                        self._worker.fail_layer_loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None  # stores copy whole blocks after the forward (wait_for_save)
+        # Layer-wise stores: the forward is done with this layer, copy it out now (a fault
+        # only delays the copy: wait_for_save releases every layer)
+        meta = self._get_connector_metadata()
+        self._contained("save_kv_layer", lambda: self._worker.layer_saved(
+            layer_name, meta.stores, meta.step), None)
 
     def wait_for_save(self) -> None:
         self._contained("wait_for_save", lambda: self._worker.start_stores(
@@ -162,10 +169,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Blocks of this step's in-step loads that did not arrive (only models with one
         # group load in-step); asynchronous loads fail per request (get_transfer_results).
-        # If the errors cannot be taken, every block of this step's in-step loads is one.
+        # If the errors cannot be taken, every block of this step's in-step loads is one,
+        # read from the step's metadata too (the worker may have failed to record them).
+        recorded = set(self._worker.in_step_blocks)
         return self._contained("get_block_ids_with_load_errors",
                                self._worker.take_block_errors,
-                               lambda: set(self._worker.in_step_blocks), set)
+                               lambda: recorded | self._get_connector_metadata()
+                               .in_step_block_ids(), recorded)
 
     def build_connector_worker_meta(self) -> Any:
         return self._contained("build_connector_worker_meta", self._worker.report, None)

@@ -4,7 +4,8 @@ An asynchronous load parks its request in vLLM's WAITING_FOR_REMOTE_KVS until th
 reports back: at least one more scheduler step before the prefill, which is most of what a
 host-tier hit cost beyond vLLM's own prefix hit. An in-step load is planned in the same
 step instead: vLLM calls `start_load_kv` before that step's forward, the worker finishes the
-copies before returning, and the forward runs the request's prefill on the loaded blocks.
+copies before returning (or, layer-wise, before each layer's forward: worker_layers.py), and
+the forward runs the request's prefill on the loaded blocks.
 
 A hit loads in-step only when that is both safe and cheap (else asynchronously, as before):
 - every block it loads is in host memory on every rank (a copy, no storage read: a disk or

@@ -49,6 +49,12 @@ class KVOffloadMetadata(KVConnectorMetadata):
     """Before this step's forward, wait until every store so far is copied out of engine
     memory: vLLM may reuse a block one of them reads (the scheduler sets it only then)."""
 
+    def in_step_block_ids(self) -> set[int]:
+        """Every engine block this step's in-step loads fill (planned or not): all of them
+        are load errors when the worker cannot say which did not arrive."""
+        return {i for r in self.in_step for _, ids in self.loads.get(r, {}).values()
+                for i in ids} | set(self.failed_blocks)
+
 
 @dataclass(frozen=True)
 class RankReport:

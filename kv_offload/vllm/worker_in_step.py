@@ -21,12 +21,14 @@ from kv_offload.types import GroupBlocks
 class InStepLoadsOfWorker:
     """In-step loads: waited for before the forward, failures reported by block."""
 
-    def _finish_in_step_loads(self) -> None:
+    def _finish_in_step_loads(self, timeout_s: float | None = None) -> None:
         """Lock held: drive the store until this step's in-step loads ended (their copies
-        are all in engine memory), at most `copy_timeout_s`; past it, their blocks are
-        reported failed and their late results ignored (a stuck thread: the fault log)."""
+        are all in engine memory), at most `timeout_s` (default `copy_timeout_s`); past it,
+        their blocks are reported failed and their late results ignored (a stuck thread:
+        the fault log)."""
+        timeout_s = self.copy_timeout_s if timeout_s is None else timeout_s
         if self._drive_until(lambda: not any(j.in_step for j in self._jobs.values()),
-                             self.copy_timeout_s):
+                             timeout_s):
             return
         late = [job_id for job_id, job in self._jobs.items() if job.in_step]
         self.faults.failed("in-step load", f"{len(late)} load(s) not done within "
@@ -54,5 +56,6 @@ class InStepLoadsOfWorker:
         """Engine blocks of in-step loads that did not arrive since the last call (vLLM
         recomputes them, right after the forward that read them)."""
         with self._lock:
+            self._end_layer_loads()  # (after the forward: layer-wise loads end here at last)
             errors, self._block_errors = self._block_errors, set()
         return errors

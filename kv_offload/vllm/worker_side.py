@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 
 from kv_offload.affinity import spread_threads
+from kv_offload.backends.cpu.layer_copies import LayerSteps
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.faults import FaultLog
@@ -52,6 +53,7 @@ from kv_offload.vllm.pump import Pump
 from kv_offload.vllm.stats import KVOffloadStats
 from kv_offload.vllm.worker_in_step import InStepLoadsOfWorker
 from kv_offload.vllm.worker_jobs import Job, Outcome, record_outcome
+from kv_offload.vllm.worker_layers import LayerWiseOfWorker
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones
 FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
 
-class OffloadWorker(InStepLoadsOfWorker):
+class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker):
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
@@ -94,11 +96,11 @@ class OffloadWorker(InStepLoadsOfWorker):
         self._loads_in_flight = 0  # requests wait for them: no yield (read without the lock)
         self._suspended = False  # vLLM's sleep mode unmapped engine memory: touch none of it
         self._pump: Pump | None = None
-        # Key changes the pump took from the store ahead of the next report, as the report's
-        # columns, so `report` on the engine's step path only hands them over (bounded by
-        # REPORT_MAX_KEYS).
+        # Key changes the pump took ahead of the next report, as the report's columns, so
+        # `report` on the step path only hands them over (bounded by REPORT_MAX_KEYS).
         self._report_keys: list[OffloadKey] = []
         self._report_held, self._report_reset = bytearray(), False
+        self._init_layers()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
                  num_blocks: int) -> None:
@@ -111,6 +113,7 @@ class OffloadWorker(InStepLoadsOfWorker):
                 self.canonical, self.config, fingerprint,
                 report_storage_copies=self.report_storage_copies)
             logger.info("kv-offload rank %d: %s", self.rank, self.store.describe())
+            self._setup_layers([group.spec for group in groups])
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
                               f"kv-offload-pump-{self.rank}")
             self._pump.start()
@@ -154,27 +157,28 @@ class OffloadWorker(InStepLoadsOfWorker):
         in_flight = [job.step for job in self._jobs.values() if job.request_id is None]
         return min(in_flight) - 1 if in_flight else self._stores_submitted
 
-    def _stragglers(self) -> list[int]:
-        """Lock held: stores whose copy out of engine memory may still run."""
+    def _stragglers(self) -> list[int]:  # lock held: stores that may still read the engine
         return [job_id for job_id, job in self._jobs.items()
                 if job.request_id is None and not job.abandoned]
 
     def step_started(self) -> None:
-        """A step's execution begins (vLLM's `handle_preemptions`, before any forward): the
-        engine stops scheduling, the pump runs freely again."""
+        """A step begins (vLLM's `handle_preemptions`, before any forward): the engine stops
+        scheduling, the pump runs freely again."""
         self._pump.step_started()
+        with self._lock:  # (the last forward's, if its wait_for_save never came)
+            self._release_layer_stores()
+            self._end_layer_loads()
 
-    def begin_step(self, step: int) -> None:
-        """A new step's plans arrived."""
+    def begin_step(self, step: int) -> None:  # a new step's plans arrived
         self._step = step
 
     def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = (),
                     in_step: Collection[str] = (), failed_blocks: Collection[int] = ()
                     ) -> None:
         """Start this step's loads; `failed`: loads the scheduler could not plan; `in_step`:
-        loads to finish before returning (vLLM runs their requests in this step's forward:
-        see in_step_loads.py); their blocks that did not arrive, and `failed_blocks` (of
-        in-step loads the scheduler could not plan), go to `take_block_errors`."""
+        loads finished before returning, or layer-wise before each layer's forward
+        (worker_layers.py): vLLM runs their requests in this step. Their blocks that did not
+        arrive, and `failed_blocks` (unplanned in-step loads), go to `take_block_errors`."""
         with self._lock:
             self._failed_now.update(failed)
             self._block_errors.update(failed_blocks)
@@ -187,15 +191,21 @@ class OffloadWorker(InStepLoadsOfWorker):
             # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
             ready = self.store.engine_ready() if loads else None
             for request_id, blocks in loads.items():
+                layers = self._layer_steps_for_load() if request_id in in_step else None
                 try:
-                    job_id = self.store.submit_load(blocks, ready)
-                    self._jobs[job_id] = self._job(request_id, blocks, request_id in in_step)
+                    job_id = self.store.submit_load(blocks, ready, layers)
+                    self._jobs[job_id] = job = self._job(request_id, blocks,
+                                                         request_id in in_step, layers)
                     self._loads_in_flight += 1
+                    if layers is not None:
+                        self._layer_loads.append(job)
                 except Exception as exc:
                     self.faults.failed("load submit", exc)
                     self.fail_loads([request_id], in_step, loads)
             self._lock.notify_all()
-            if in_step:
+            if self._layer_loads:
+                self._pump_once()  # planned now: the copies start before the forward does
+            elif in_step:
                 self._finish_in_step_loads()
         self._pump.wake()
 
@@ -204,8 +214,10 @@ class OffloadWorker(InStepLoadsOfWorker):
         next forward: the engine is now scheduling the next step)."""
         self._pump.forward_ended()
         with self._lock:
+            self._end_layer_loads()
             try:
-                if stores and not self._suspended:
+                # (a store cut per layer was submitted at the first save_kv_layer)
+                if not self._release_layer_stores() and stores and not self._suspended:
                     # GPU: our copy stream waits on an event recorded on the engine's stream
                     # after the forward that wrote these blocks; the CPU does not wait.
                     job_id = self.store.submit_store(stores, self.store.engine_ready())
@@ -319,13 +331,14 @@ class OffloadWorker(InStepLoadsOfWorker):
 
     # --- internals ---
 
-    def _job(self, request_id: str | None, blocks: GroupBlocks, in_step: bool = False) -> Job:
+    def _job(self, request_id: str | None, blocks: GroupBlocks, in_step: bool = False,
+             layers: LayerSteps | None = None) -> Job:
         num_blocks = sum(len(ids) for _, ids in blocks.values())
         num_bytes = sum(len(ids) * self.canonical.data_bytes_per_block(g)
                         for g, (_, ids) in blocks.items())
         block_ids = [i for _, ids in blocks.values() for i in ids] if in_step else []
         return Job(request_id, self._step, time.monotonic(), num_blocks, num_bytes,
-                   in_step=in_step, block_ids=block_ids)
+                   in_step=in_step, block_ids=block_ids, layers=layers)
 
     def abandon_stores(self) -> None:
         """The engine goes on without waiting for the stores in flight (e.g. the wait

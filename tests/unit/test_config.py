@@ -19,8 +19,9 @@ def test_minimal_config_uses_defaults():
 def test_full_config(tmp_path):
     config = parse_config({
         "cpu_bytes_to_use": "16GiB", "fs_root_dir": str(tmp_path), "fs_bytes_to_use": "1.5 TB",
-        "block_size": 256, "eviction_policy": "arc", "fs_fsync": True,
+        "block_size": 256, "eviction_policy": "arc", "fs_fsync": True, "layer_wise": True,
     })
+    assert config.layer_wise and not OffloadConfig(cpu_bytes_to_use=1).layer_wise
     assert config.cpu_bytes_to_use == 16 * 2**30
     assert config.fs_bytes_to_use == 1_500_000_000_000
     assert config.fs_root_dir == str(tmp_path)
@@ -53,6 +54,7 @@ def test_sizes(value, expected):
     ({"cpu_bytes_to_use": 1, "block_size": "16"}, "block_size must be a positive int"),
     ({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, r"one of \['lru', 'arc'\]"),
     ({"cpu_bytes_to_use": 1, "fs_fsync": "yes"}, "fs_fsync must be true or false"),
+    ({"cpu_bytes_to_use": 1, "layer_wise": 1}, "layer_wise must be true or false"),
 ])
 def test_errors_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):

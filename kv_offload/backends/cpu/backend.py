@@ -35,12 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kv_offload.backends.cpu.layer_copies import LayerCopier, LayerSteps, layer_cut_refusal
 from kv_offload.backends.cpu.pool import allocate_pool
 from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
 from kv_offload.kernels import BlockCopier, HostSlotLayout
-from kv_offload.kernels.plan import IdsLike, id_array
+from kv_offload.kernels.plan import CopyPlan, IdsLike, id_array
 from kv_offload.kernels.runtime import CudaRuntime, EngineReady
 from kv_offload.transfer import BlockTransfer, Direction, TransferJob, TransferResult
 from kv_offload.types import Transfers
@@ -55,6 +56,7 @@ CLOSE_TIMEOUT_S = 60.0  # close() fails GPU jobs still running after this long
 class _Queued:
     job: TransferJob
     ready: EngineReady | None
+    layers: LayerSteps | None = None  # a job cut per layer (layer_copies.py)
 
 
 @dataclass
@@ -69,12 +71,19 @@ class CpuBackend:
     """Host-memory tier for one engine's canonical KV caches."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
-                 pin: bool | None = None, runtime: CudaRuntime | None = None) -> None:
+                 pin: bool | None = None, runtime: CudaRuntime | None = None,
+                 gate_timeout_s: float = 30.0) -> None:
         """`runtime` drives the GPU copy path with another CUDA runtime than cupy's
-        (the tests' host executor); by default the engine memory's device decides."""
+        (the tests' host executor); by default the engine memory's device decides.
+        `gate_timeout_s`: how long a store cut per layer waits for a layer's release."""
         self.layout = HostSlotLayout.from_canonical(canonical)
         self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin, runtime)
         self.copier = BlockCopier(canonical, self.pool, self.layout, runtime)
+        self.gate_timeout_s = gate_timeout_s
+        # Jobs cut per layer: CPU engine memory whose layers each have their own bytes
+        # (GPU copies run on streams and are not cut yet: such jobs run whole).
+        self.layer_copier = None if self.copier.asynchronous or layer_cut_refusal(canonical) \
+            else LayerCopier(canonical, self.pool, self.layout)
         self.slot_map = SlotMap(self.num_slots)
         self._ids = itertools.count(1)
         self._finished: dict[int, TransferResult] = {}
@@ -133,9 +142,11 @@ class CpuBackend:
         return self.submit(Direction.LOAD, transfers, ready)
 
     def submit(self, direction: Direction, transfers: Transfers,
-               ready: EngineReady | None = None) -> int:
+               ready: EngineReady | None = None, layers: LayerSteps | None = None) -> int:
         """Queue a job and return its id at once. Raises only after `close`.
-        GPU: `ready` None records one now on the calling thread's current stream."""
+        GPU: `ready` None records one now on the calling thread's current stream.
+        `layers`: copy the job a layer at a time, through these gates and progress (a
+        job whose copies cannot be cut per layer waits for every gate, then runs whole)."""
         with self._cond:
             if self._closed:
                 raise TierClosedError("CpuBackend is closed; no new jobs are accepted")
@@ -151,7 +162,7 @@ class CpuBackend:
         except Exception as exc:  # unreadable ids: fail the job, do not raise
             self._finish(_failure(job_id, direction, (), 0.0, exc))
             return job_id
-        self._queues[direction].put(_Queued(job, ready))
+        self._queues[direction].put(_Queued(job, ready, layers))
         return job_id
 
     def poll(self) -> list[TransferResult]:
@@ -200,6 +211,8 @@ class CpuBackend:
         for worker in self._workers:
             worker.join()
         self.copier.close()
+        if self.layer_copier is not None:
+            self.layer_copier.close()
 
     def __enter__(self) -> CpuBackend:
         return self
@@ -238,13 +251,27 @@ class CpuBackend:
                 t.group: (t.block_ids, t.slot_ids) for t in job.transfers
             })
             plan = self.slot_map.physical(checked, self.copier.canonical.num_blocks)
-            handle = self.copier.submit(plan, queued.ready)
+            handle = self._submit_plan(plan, queued)
         except Exception as exc:
             self._finish(_failure(job.job_id, job.direction, job.transfers,
                                   time.perf_counter() - start, exc))
             return
         with self._cond:
             self._in_flight[job.direction].append(_InFlight(job, handle, plan.num_bytes, start))
+
+    def _submit_plan(self, plan, queued: _Queued):
+        """Hand a checked plan to the copier: whole, or a layer at a time."""
+        steps = queued.layers
+        if steps is None:
+            return self.copier.submit(plan, queued.ready)
+        if self.layer_copier is not None and steps.num_layers == self.layer_copier.num_layers:
+            self.layer_copier.copy(plan, steps, self.gate_timeout_s)
+            return self.copier.submit(_EMPTY_PLANS[plan.direction])  # (done: a handle)
+        for layer in range(steps.num_layers):  # not cut: after the last gate, whole
+            if not steps.wait_open(layer, self.gate_timeout_s):
+                raise TimeoutError(f"layer {layer} was not released within "
+                                   f"{self.gate_timeout_s} s")
+        return self.copier.submit(plan, queued.ready)
 
     def _collect(self, direction: Direction) -> None:
         """Finish the direction's jobs whose copies have completed, oldest first (one
@@ -274,6 +301,9 @@ class CpuBackend:
         self._pending.discard(result.job_id)
         self._finished[result.job_id] = result
         self._cond.notify_all()
+
+
+_EMPTY_PLANS = {d: CopyPlan(d, (), 0) for d in Direction}
 
 
 def _block_transfers(transfers: Transfers) -> tuple[BlockTransfer, ...]:
