@@ -106,6 +106,9 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
         self._stores: dict[int, Store] = {}  # stores whose result is not delivered yet
         self._staged_stores: dict[int, Store] = {}  # stores waiting for host room
+        # Keys of stores not yet ended (how many stores carry each): a load of such a key
+        # waits for it instead of failing (the scheduler counts planned stores as hits).
+        self._storing: Counter[OffloadKey] = Counter()
         self._storage_jobs: dict[int, Read | WriteThrough] = {}
         self._new_loads: list[Load] = []  # submitted, not yet planned
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
@@ -194,6 +197,7 @@ class TieredStore(LoadPipeline, StorePipeline):
         try:
             store.targets = targets_of(requests)
             store.waiting = list(store.targets)
+            self._storing.update(store.targets.keys())  # (until `_store_ended`)
             # Staged at the next `poll` (the pump's thread), not in the caller's: this call
             # is on the engine's step path and costs O(blocks) of bookkeeping only.
             if store.waiting:

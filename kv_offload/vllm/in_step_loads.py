@@ -7,8 +7,10 @@ step instead: vLLM calls `start_load_kv` before that step's forward, the worker 
 copies before returning, and the forward runs the request's prefill on the loaded blocks.
 
 A hit loads in-step only when that is both safe and cheap (else asynchronously, as before):
-- every block it loads is in host memory on every rank (a copy, no storage read: a disk or
-  network read inside the step would stall every request of the batch);
+- every block it loads is in host memory on every rank, or its store is planned (it lands
+  in host memory; the worker's load waits for that store's copy, bounded, and fails the
+  block if the store does not land) (a copy, no storage read: a disk or network read
+  inside the step would stall every request of the batch);
 - its bytes per rank are at most `in_step_load_bytes` (the knob; 0 turns it off);
 - the model has one KV-cache group of attention layers: a failed in-step load is reported
   to vLLM as block ids (`get_block_ids_with_load_errors`, which vLLM 0.32 refuses for
@@ -20,7 +22,7 @@ blocks that did not arrive and recomputes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kv_offload.specs import KVCacheSpec, MambaSpec
@@ -40,19 +42,24 @@ class InStepLoads:
         self._block_size = [spec.block_size for spec in specs]
 
     def fits(self, hit: Any, local_tokens: int, keys: RankKeys,
-             hash_of: Callable[[int, int], bytes]) -> bool:
+             hash_of: Callable[[int, int], bytes],
+             planned: Callable[[int], Mapping[bytes, int]] = lambda group: {}) -> bool:
         """Whether `hit` (a `CacheHit` beyond `local_tokens` of vLLM's own) loads in-step:
-        within the budget, and every block it loads held in host memory by every rank.
-        O(blocks loaded x ranks), once per lookup that hits."""
+        within the budget, and every block it loads held in host memory by every rank, or
+        its store planned (`planned(group)`: it lands in host memory; the worker's load
+        waits for it). O(blocks loaded x ranks), once per lookup that hits."""
         if not self.enabled:
             return False
         total = 0
         for g, blocks in enumerate(hit.blocks):
             first = local_tokens // self._block_size[g]
+            in_flight = planned(g)
             new = [i for i in blocks if i >= first]
             total += len(new) * self.block_bytes[g]
             if total > self.budget_bytes:
                 return False
+            if in_flight:
+                new = [i for i in new if hash_of(g, i) not in in_flight]
             for held in keys.group_maps(g):
                 if not all(held.get(hash_of(g, i), 0) & HOST_BIT for i in new):
                     return False

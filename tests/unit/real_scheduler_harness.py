@@ -242,8 +242,8 @@ class Engine:
         self.block_hasher = kv_cache_utils.get_request_block_hasher(
             planned.hash_block_size, hash_fn, *lookahead)
 
-    def add(self, req_id: str) -> Request:
-        request = Request(req_id, PROMPT, SamplingParams(max_tokens=MAX_TOKENS), None,
+    def add(self, req_id: str, max_tokens: int = MAX_TOKENS) -> Request:
+        request = Request(req_id, PROMPT, SamplingParams(max_tokens=max_tokens), None,
                           block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         return request
