@@ -43,6 +43,7 @@ from kv_offload.generations import read_stored_generation, write_stored_generati
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
 from kv_offload.manager import OffloadManager
+from kv_offload.read_rate import ReadRate
 from kv_offload.tiering_jobs import (
     Load,
     Read,
@@ -115,6 +116,7 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._done: list[TieredResult] = []
         # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
         self._key_failures: Counter[Direction] = Counter()
+        self.read_rate = ReadRate()  # the storage tier's measured read throughput
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,

@@ -145,6 +145,8 @@ class LoadPipeline:
             load.pending -= 1
         ok = [k for k, good in zip(read.keys, succeeded) if good]
         bad = [k for k, good in zip(read.keys, succeeded) if not good]
+        group_bytes = self.cpu.layout.group_bytes
+        self.read_rate.record(sum(group_bytes[k[1]] for k in ok), time.monotonic() - read.started)
         self.manager.complete_store(bad, False)
         self.manager.complete_store(ok, True)
         self._key_failures[Direction.LOAD] += len(bad)
