@@ -1,17 +1,6 @@
-"""The host-memory pool: `num_slots` slots of `slot_bytes`, sized from a byte budget.
-
-Plain (unpinned) pools ask Linux for transparent huge pages (`madvise(MADV_HUGEPAGE)`,
-before any page is touched): copies of small pages visit a random pool row per page, and with
-4 KiB pages each row is a TLB miss, which under a VM's nested paging costs a two-level walk.
-Where the kernel gives no huge pages (THP `never`, another OS) the advice is simply not
-taken; it never changes what the pool holds.
-"""
+"""The host-memory pool: `num_slots` slots of `slot_bytes`, sized from a byte budget."""
 
 from __future__ import annotations
-
-import ctypes
-import ctypes.util
-import sys
 
 import torch
 
@@ -20,8 +9,6 @@ from kv_offload.kernels.geometry import HostSlotLayout
 from kv_offload.kernels.runtime import CudaRuntime
 
 PAGE_BYTES = 4096  # O_DIRECT alignment
-HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 (4 KiB base pages) transparent huge page
-_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 
 
 def cuda_present() -> bool:
@@ -60,8 +47,6 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
     raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.int8)
     shift = (-raw.data_ptr()) % PAGE_BYTES
     pool = raw[shift:shift + nbytes].view(num_slots, layout.slot_bytes)
-    if not pin:
-        advise_huge_pages(pool)
     if pin:
         # Page-lock exactly these bytes. torch's pinned allocator (`pin_memory=True`) rounds
         # each request up to a power of two: 20 GiB would lock 32 GiB of the machine.
@@ -79,22 +64,3 @@ def register_pinned(pool: torch.Tensor) -> None:
         raise ConfigError(f"cannot page-lock {nbytes} bytes of host memory for the host tier "
                           f"(cudaHostRegister returned {int(status)}); lower cpu_bytes_to_use "
                           f"or raise the memlock limit (ulimit -l)")
-
-
-def advise_huge_pages(pool: torch.Tensor) -> bool:
-    """Ask for transparent huge pages over the whole 2 MiB pages inside `pool` (Linux; not
-    yet touched memory). Whether the kernel accepted the advice; never raises."""
-    if not sys.platform.startswith("linux"):
-        return False
-    start = pool.data_ptr()
-    end = start + pool.numel() * pool.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if last <= first:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
-                            _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):  # no libc / no madvise: 4 KiB pages, as before
-        return False
