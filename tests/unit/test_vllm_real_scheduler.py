@@ -47,6 +47,7 @@ from real_scheduler_harness import (
 from vllm.v1.request import RequestStatus
 
 from kv_offload.testing.tiny_models import build_llama
+from kv_offload.testing.tiny_vocab import VOCAB_SIZE
 from kv_offload.vllm.connector import KVOffloadConnector
 
 ASYNC_ONLY = {"cpu_bytes_to_use": 8 << 20, "in_step_load_bytes": 0}
@@ -268,3 +269,38 @@ def test_when_the_store_a_hit_counted_on_fails_the_request_is_recomputed(engines
     assert all(map(torch.equal, engine.runner.block_bytes(b_blocks),
                    expected_bytes(PROMPT, FULL_BLOCKS)))
     assert len(b.output_token_ids) == MAX_TOKENS
+
+
+OTHER_PROMPT = [4 + (i * 53 + 11) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]
+
+
+def test_a_disk_hit_loads_in_step_once_the_rank_has_measured_its_reads(engines, tmp_path):
+    """A new engine over a disk directory another engine filled: its first disk hit loads
+    asynchronously (no read measured yet) and measures the read; the next disk hit, well
+    within `in_step_read_s`, is read inside the step that runs it."""
+    disk = {**IN_STEP, "fs_root_dir": str(tmp_path / "kv"), "fs_bytes_to_use": 64 << 20,
+            "in_step_read_s": 5.0}  # (a generous budget: this machine is shared)
+    first = engines(disk)
+    first.run_to_completion("A")
+    first.run_to_completion("A2", prompt=OTHER_PROMPT)
+    first.runner.worker.shutdown()  # finishes the write-through to disk
+    engine = engines(disk)  # a new process: only the files remain
+    ours = engine.scheduler.get_kv_connector()._scheduler
+    engine.step_until(lambda s: ours.num_keys >= 2 * FULL_BLOCKS, "the disk inventory known")
+    b = engine.add("B")
+    steps = engine.step_until(lambda s: "B" in s.output.num_scheduled_tokens, "B ran")
+    assert any(s.states["B"][0] == RequestStatus.WAITING_FOR_REMOTE_KVS for s in steps)
+    assert not any(s.meta.in_step for s in steps)  # asynchronous: no figure yet
+    engine.step_until(lambda s: b.is_finished(), "B finished")
+    c = engine.add("C", prompt=OTHER_PROMPT)
+    steps = engine.step_until(lambda s: "C" in s.output.num_scheduled_tokens, "C ran")
+    ran = steps[-1]
+    assert ran.meta.in_step == ["C"] and ran.output.has_sync_kv_loads
+    assert not any(s.states["C"][0] == RequestStatus.WAITING_FOR_REMOTE_KVS for s in steps)
+    new = scheduled_new(ran, "C")
+    assert new is not None and new.num_computed_tokens == HIT_TOKENS
+    c_blocks = new.block_ids[0][:FULL_BLOCKS]
+    assert all(map(torch.equal, engine.runner.block_bytes(c_blocks),
+                   expected_bytes(OTHER_PROMPT, FULL_BLOCKS)))
+    engine.step_until(lambda s: c.is_finished(), "C finished")
+    assert len(c.output_token_ids) == MAX_TOKENS
