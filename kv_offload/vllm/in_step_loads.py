@@ -49,7 +49,7 @@ class InStepLoads:
         self._block_size = [spec.block_size for spec in specs]
         self._read_rates: dict[int, float] = {}  # rank -> measured bytes/s (reports)
 
-    def read_rate(self, rank: int, bytes_per_s: float) -> None:
+    def reported_read_rate(self, rank: int, bytes_per_s: float) -> None:
         """A rank's report of its measured storage read throughput (0: none yet)."""
         if bytes_per_s > 0:
             self._read_rates[rank] = bytes_per_s

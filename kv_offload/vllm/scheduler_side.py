@@ -298,7 +298,7 @@ class OffloadScheduler(SchedulerRecovery):
             return
         for rank, report in meta.reports.items():
             self._lag.reported(rank, report.reflected_step)
-            self.in_step.read_rate(rank, report.read_bytes_per_s)
+            self.in_step.reported_read_rate(rank, report.read_bytes_per_s)
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
 
     def source_of(self, request_id: str) -> Location:
