@@ -56,10 +56,11 @@ class OffloadConfig:
     """A hit whose bytes are all in host memory on every rank, at most this many per rank, is
     loaded inside the step that schedules its request (its prefill runs in that step); a
     larger hit waits in an asynchronous load. 0: always asynchronous."""
-    in_step_read_s: float = 0.025
+    in_step_read_s: float = 0.05
     """A hit (within in_step_load_bytes) that reads blocks from the storage tier also loads
     inside the step when that read is expected to take at most this long: its storage bytes
-    per rank over the slowest rank's measured read throughput. Unmeasured (no read yet) or
+    per rank over the slowest rank's measured read throughput (the fastest of its last 8
+    reads: `kv_offload.read_rate`). Unmeasured (no read yet) or
     slower: asynchronous, so a large read never stalls the batch. 0: storage reads always
     asynchronous."""
 

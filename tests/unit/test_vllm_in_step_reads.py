@@ -73,6 +73,20 @@ def test_a_bad_read_budget_is_refused_by_name(value):
         parse_config({"cpu_bytes_to_use": 1 << 20, "in_step_read_s": value})
 
 
-def test_the_read_budget_defaults_to_25_ms_and_zero_turns_in_step_reads_off():
-    assert parse_config({"cpu_bytes_to_use": 1 << 20}).in_step_read_s == 0.025
+def test_the_read_budget_defaults_to_50_ms_and_zero_turns_in_step_reads_off():
+    assert parse_config({"cpu_bytes_to_use": 1 << 20}).in_step_read_s == 0.05
     assert parse_config({"cpu_bytes_to_use": 1 << 20, "in_step_read_s": 0}).in_step_read_s == 0
+
+
+def test_the_read_rate_is_the_fastest_of_the_recent_reads():
+    from kv_offload.read_rate import WINDOW, ReadRate
+
+    rate = ReadRate()
+    assert rate.bytes_per_s == 0.0
+    rate.record(5 << 20, 1.0)  # a first read slowed by the tier's first use: 5 MiB/s
+    rate.record(100 << 20, 0.25)  # 400 MiB/s
+    rate.record(0, 0.1)  # (nothing landed: no sample)
+    assert rate.bytes_per_s == 400 * 2**20
+    for _ in range(WINDOW):  # the tier slowed down for good: the figure follows
+        rate.record(50 << 20, 1.0)
+    assert rate.bytes_per_s == 50 * 2**20
