@@ -55,7 +55,13 @@ class OffloadConfig:
     in_step_load_bytes: int = 256 * 2**20
     """A hit whose bytes are all in host memory on every rank, at most this many per rank, is
     loaded inside the step that schedules its request (its prefill runs in that step); a
-    larger hit, or one read from the storage tier, waits in an asynchronous load. 0: always
+    larger hit waits in an asynchronous load. 0: always asynchronous."""
+    in_step_read_s: float = 0.05
+    """A hit (within in_step_load_bytes) that reads blocks from the storage tier also loads
+    inside the step when that read is expected to take at most this long: its storage bytes
+    per rank over the slowest rank's measured read throughput (the fastest of its last 8
+    reads: `kv_offload.read_rate`). Unmeasured (no read yet) or
+    slower: asynchronous, so a large read never stalls the batch. 0: storage reads always
     asynchronous."""
     layer_wise: bool = False
     """In-step loads and stores move layer by layer through vLLM's per-layer hooks (the
@@ -133,6 +139,14 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         budget = extra["in_step_load_bytes"]  # (0: every load asynchronous)
         values["in_step_load_bytes"] = 0 if budget in (0, "0") and budget is not False \
             else parse_size("in_step_load_bytes", budget)
+    if "in_step_read_s" in extra:
+        seconds = extra["in_step_read_s"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
+                not 0 <= seconds <= 10:
+            raise ConfigError(f"in_step_read_s must be a number of seconds from 0 to 10 "
+                              f"(0: reads from the storage tier always load asynchronously), "
+                              f"got {seconds!r}")
+        values["in_step_read_s"] = float(seconds)
     if "block_size" in extra:
         block = extra["block_size"]
         if isinstance(block, bool) or not isinstance(block, int) or block <= 0:

@@ -44,6 +44,7 @@ from kv_offload.generations import read_stored_generation, write_stored_generati
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
 from kv_offload.manager import OffloadManager
+from kv_offload.read_rate import ReadRate
 from kv_offload.tiering_jobs import (
     Load,
     Read,
@@ -107,12 +108,16 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
         self._stores: dict[int, Store] = {}  # stores whose result is not delivered yet
         self._staged_stores: dict[int, Store] = {}  # stores waiting for host room
+        # Keys of stores not yet ended (how many stores carry each): a load of such a key
+        # waits for it instead of failing (the scheduler counts planned stores as hits).
+        self._storing: Counter[OffloadKey] = Counter()
         self._storage_jobs: dict[int, Read | WriteThrough] = {}
         self._new_loads: list[Load] = []  # submitted, not yet planned
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
         # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
         self._key_failures: Counter[Direction] = Counter()
+        self.read_rate = ReadRate()  # the storage tier's measured read throughput
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
@@ -197,6 +202,7 @@ class TieredStore(LoadPipeline, StorePipeline):
         try:
             store.targets = targets_of(requests)
             store.waiting = list(store.targets)
+            self._storing.update(store.targets.keys())  # (until `_store_ended`)
             # Staged at the next `poll` (the pump's thread), not in the caller's: this call
             # is on the engine's step path and costs O(blocks) of bookkeeping only.
             if store.waiting:

@@ -10,7 +10,11 @@ given up (its slots stay reserved until the tier answers; the load goes on witho
 Loads of the same keys at the same time (requests sharing a document, scheduled in one
 step) share one read: a key whose host slot another job is filling is `awaiting`, and is
 copied into the engine once it is ready there (or failed if that read fails, or at the
-deadline). Without this the second load found the slot reserved and failed.
+deadline). Without this the second load found the slot reserved and failed. A key that a
+store still in flight is putting in host memory (the scheduler counts the stores it planned
+as hits before the workers report them) is awaited the same way: copied once the store's
+copy lands, failed if the store ends without it (skipped, failed, abandoned: a recompute,
+never stale bytes).
 
 A load's result is delivered only when nothing of it is in flight, even when it failed
 whole (`closed`): vLLM frees a failed request's blocks, so no copy of ours may still be
@@ -45,7 +49,11 @@ class LoadPipeline:
                 where = self.lookup(keys)
                 on_host = [k for k, w in zip(keys, where) if w is Location.HOST]
                 load.waiting = [k for k, w in zip(keys, where) if w is Location.STORAGE]
-                load.failed = [k for k, w in zip(keys, where) if w is Location.ABSENT]
+                absent = [k for k, w in zip(keys, where) if w is Location.ABSENT]
+                # A key a store in flight is putting in a host slot: copied once it lands.
+                storing = self._storing
+                load.awaiting = [k for k in absent if k in storing]
+                load.failed = [k for k in absent if k not in storing]
                 self._copy_to_engine(load, on_host)
                 self.manager.touch(on_host)
                 self._stage(load)
@@ -111,8 +119,8 @@ class LoadPipeline:
         for key, state in zip(load.awaiting, self.manager.lookup(load.awaiting)):
             if state is SlotState.READY:
                 ready.append(key)
-            elif state is SlotState.ABSENT or late:  # (ABSENT: the other read failed)
-                load.failed.append(key)
+            elif late or (state is SlotState.ABSENT and key not in self._storing):
+                load.failed.append(key)  # (ABSENT: the read or the store that had it failed)
             else:
                 still.append(key)
         load.awaiting = still
@@ -140,6 +148,8 @@ class LoadPipeline:
             load.pending -= 1
         ok = [k for k, good in zip(read.keys, succeeded) if good]
         bad = [k for k, good in zip(read.keys, succeeded) if not good]
+        group_bytes = self.cpu.layout.group_bytes
+        self.read_rate.record(sum(group_bytes[k[1]] for k in ok), time.monotonic() - read.started)
         self.manager.complete_store(bad, False)
         self.manager.complete_store(ok, True)
         self._key_failures[Direction.LOAD] += len(bad)

@@ -106,7 +106,7 @@ class StorePipeline:
         flight only release their slots (their copies are discarded)."""
         store.abandoned = True
         store.waiting = []
-        self._stores.pop(store.job_id, None)
+        self._store_ended(store)
         self._staged_stores.pop(store.job_id, None)
         self._finish(TieredResult(store.job_id, Direction.STORE, False,
                                   blocks_of(store.targets)))
@@ -114,11 +114,24 @@ class StorePipeline:
     def _finish_store_if_done(self, store: Store) -> None:
         if store.pending or store.waiting:
             return
-        self._stores.pop(store.job_id, None)
+        self._store_ended(store)
         missing = dict.fromkeys([*store.failed, *store.skipped])
         failed = blocks_of({k: store.targets[k] for k in missing})
         self._finish(TieredResult(store.job_id, Direction.STORE, not failed, failed,
                                   skipped=len(dict.fromkeys(store.skipped))))
+
+    def _store_ended(self, store: Store) -> None:
+        """The store is over (once): loads stop waiting for its keys; those it did not put
+        in a host slot are absent now (a load waiting for one fails it: a recompute)."""
+        if self._stores.pop(store.job_id, None) is None:
+            return
+        storing = self._storing
+        for key in store.targets:
+            left = storing[key] - 1
+            if left > 0:
+                storing[key] = left
+            else:
+                del storing[key]
 
     def _write_through(self, keys: Sequence[OffloadKey]) -> None:
         if self.storage is None:

@@ -83,7 +83,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                       choice.name if choice else None),
                 in_step=InStepLoads([g.spec for g in groups], [
                     g.spec.page_size_bytes * len(g.layer_names) for g in groups],
-                    self.config.in_step_load_bytes))
+                    self.config.in_step_load_bytes, read_budget_s=self.config.in_step_read_s,
+                    world_size=world_size))
             self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)

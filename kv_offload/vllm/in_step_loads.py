@@ -2,15 +2,21 @@
 
 An asynchronous load parks its request in vLLM's WAITING_FOR_REMOTE_KVS until the load
 reports back: at least one more scheduler step before the prefill, which is most of what a
-host-tier hit cost beyond vLLM's own prefix hit. An in-step load is planned in the same
-step instead: vLLM calls `start_load_kv` before that step's forward, the worker finishes the
-copies before returning (or, layer-wise, before each layer's forward: worker_layers.py), and
+hit cost beyond vLLM's own prefix hit. An in-step load is planned in the same step instead:
+vLLM calls `start_load_kv` before that step's forward, the worker finishes the copies (and
+reads) before returning (or, layer-wise, before each layer's forward: worker_layers.py), and
 the forward runs the request's prefill on the loaded blocks.
 
 A hit loads in-step only when that is both safe and cheap (else asynchronously, as before):
-- every block it loads is in host memory on every rank (a copy, no storage read: a disk or
-  network read inside the step would stall every request of the batch);
-- its bytes per rank are at most `in_step_load_bytes` (the knob; 0 turns it off);
+- its bytes per rank are at most `in_step_load_bytes` (the knob; 0 turns in-step loads off);
+- every block it loads is in host memory on every rank, or its store is planned (it lands
+  in host memory; the worker's load waits for that store's copy, bounded, and fails the
+  block if the store does not land); or, for the blocks that must be read from the storage
+  tier (disk, a shared store), the read is expected to take at most `in_step_read_s`: those
+  bytes on a rank over that rank's measured read throughput (`kv_offload.read_rate`, in
+  each rank's report), the slowest rank deciding. A rank that has not yet read anything
+  has no figure: asynchronous (its first read measures the tier). A read inside the step
+  stalls every request of the batch for its duration, so large reads stay asynchronous;
 - the model has one KV-cache group of attention layers: a failed in-step load is reported
   to vLLM as block ids (`get_block_ids_with_load_errors`, which vLLM 0.32 refuses for
   models with several groups), and Mamba-type groups in prefix-caching align mode need the
@@ -21,7 +27,7 @@ blocks that did not arrive and recomputes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kv_offload.specs import KVCacheSpec, MambaSpec
@@ -33,28 +39,56 @@ class InStepLoads:
     """The per-request choice between an in-step and an asynchronous load."""
 
     def __init__(self, specs: Sequence[KVCacheSpec], block_bytes: Sequence[int],
-                 budget_bytes: int) -> None:
+                 budget_bytes: int, *, read_budget_s: float = 0.0, world_size: int = 1
+                 ) -> None:
         self.block_bytes = list(block_bytes)  # per group: one block's bytes on a rank
         self.budget_bytes = budget_bytes
+        self.read_budget_s = read_budget_s
+        self.world_size = world_size
         self.enabled = budget_bytes > 0 and len(specs) == 1 and \
             not isinstance(specs[0], MambaSpec) and len(self.block_bytes) == 1
         self._block_size = [spec.block_size for spec in specs]
+        self._read_rates: dict[int, float] = {}  # rank -> measured bytes/s (reports)
+
+    def reported_read_rate(self, rank: int, bytes_per_s: float) -> None:
+        """A rank's report of its measured storage read throughput (0: none yet)."""
+        if bytes_per_s > 0:
+            self._read_rates[rank] = bytes_per_s
 
     def fits(self, hit: Any, local_tokens: int, keys: RankKeys,
-             hash_of: Callable[[int, int], bytes]) -> bool:
+             hash_of: Callable[[int, int], bytes],
+             planned: Callable[[int], Mapping[bytes, int]] = lambda group: {}) -> bool:
         """Whether `hit` (a `CacheHit` beyond `local_tokens` of vLLM's own) loads in-step:
-        within the budget, and every block it loads held in host memory by every rank.
-        O(blocks loaded x ranks), once per lookup that hits."""
+        within the byte budget, and every block it loads held in host memory by every rank
+        (or its store planned: `planned(group)`, it lands in host memory) or read from the
+        storage tier within the read-time budget. O(blocks loaded x ranks), once per lookup
+        that hits."""
         if not self.enabled:
             return False
         total = 0
+        read_bytes: dict[int, int] = {}  # rank -> bytes it must read from its storage tier
         for g, blocks in enumerate(hit.blocks):
-            first = local_tokens // self._block_size[g]
+            in_flight = planned(g)
+            first = local_tokens // self._block_size[g]  # the engine has the blocks before
             new = [i for i in blocks if i >= first]
             total += len(new) * self.block_bytes[g]
             if total > self.budget_bytes:
                 return False
-            for held in keys.group_maps(g):
-                if not all(held.get(hash_of(g, i), 0) & HOST_BIT for i in new):
-                    return False
-        return True
+            if in_flight:
+                new = [i for i in new if hash_of(g, i) not in in_flight]
+            hashes = [hash_of(g, i) for i in new]
+            for rank, held in enumerate(keys.group_maps(g)):
+                on_storage = sum(not held.get(h, 0) & HOST_BIT for h in hashes)
+                if on_storage:
+                    read_bytes[rank] = read_bytes.get(rank, 0) + on_storage * self.block_bytes[g]
+        return not read_bytes or self._reads_fit(read_bytes)
+
+    def _reads_fit(self, read_bytes: dict[int, int]) -> bool:
+        """Whether every rank is expected to read its bytes within `read_budget_s`."""
+        if self.read_budget_s <= 0:
+            return False
+        rates = list(self._read_rates.values())
+        if len(rates) < self.world_size:  # some rank has no figure yet
+            return False
+        slowest = min(rates)  # (ranks are indexed by report order here, not by rank id)
+        return max(read_bytes.values()) / slowest <= self.read_budget_s

@@ -68,6 +68,8 @@ class RankReport:
     """Forget this rank's earlier reports first (its tiers were reset)."""
     reflected_step: int
     """The stores and resets of every step up to this one show in the changes."""
+    read_bytes_per_s: float = 0.0
+    """The rank's measured storage read throughput (`kv_offload.read_rate`; 0: none yet)."""
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.held):
@@ -75,10 +77,11 @@ class RankReport:
                              f"keys, {len(self.held)} bytes")
 
     @classmethod
-    def of(cls, changes: Iterable[KeyChange], reset: bool, reflected_step: int) -> RankReport:
+    def of(cls, changes: Iterable[KeyChange], reset: bool, reflected_step: int,
+           read_bytes_per_s: float = 0.0) -> RankReport:
         changes = tuple(changes)
         return cls(tuple(change.key for change in changes), bytes(map(held_bits, changes)),
-                   reset, reflected_step)
+                   reset, reflected_step, read_bytes_per_s)
 
     @property
     def changes(self) -> tuple[KeyChange, ...]:
@@ -106,6 +109,7 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             if earlier is not None and not later.reset:
                 later = RankReport(earlier.keys + later.keys, earlier.held + later.held,
                                    earlier.reset,
-                                   max(earlier.reflected_step, later.reflected_step))
+                                   max(earlier.reflected_step, later.reflected_step),
+                                   later.read_bytes_per_s or earlier.read_bytes_per_s)
             merged[rank] = later
         return KVOffloadWorkerMetadata(merged)

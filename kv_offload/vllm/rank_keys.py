@@ -20,8 +20,8 @@ either: an Enum member's hash runs in Python code.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from operator import and_
+from collections.abc import Callable, Mapping, Sequence
+from operator import and_, or_
 
 from kv_offload.types import HOST_BIT, STORAGE_BIT, Location, OffloadKey
 
@@ -115,12 +115,15 @@ class HeldBlocks:
     """`is_cached(group, block)` over one request's block keys (`hashes[group][block]`): the
     answers come from `RankKeys.held_by_all_of` a chunk of blocks at a time, in C, when a
     lookup first asks past what is known. So a lookup that misses at block 0 costs one
-    chunk, not the whole prompt, and one that hits costs ~4x less than a call per key."""
+    chunk, not the whole prompt, and one that hits costs ~4x less than a call per key.
+    `planned(group)`: keys counted as held besides (stores planned, not yet reported)."""
 
     CHUNK = 256
 
-    def __init__(self, keys: RankKeys, hashes: list[Sequence[bytes]]) -> None:
-        self._keys, self._hashes = keys, hashes
+    def __init__(self, keys: RankKeys, hashes: list[Sequence[bytes]],
+                 planned: Callable[[int], Mapping[bytes, int]] = lambda group: _EMPTY
+                 ) -> None:
+        self._keys, self._hashes, self._planned = keys, hashes, planned
         self._flags: list[list[bool]] = [[] for _ in hashes]
 
     def __call__(self, group: int, block: int) -> bool:
@@ -130,5 +133,10 @@ class HeldBlocks:
             if block >= len(hashes):
                 return False
             stop = max(block + 1, len(flags) + self.CHUNK)
-            flags += self._keys.held_by_all_of(group, hashes[len(flags):stop])
+            chunk = hashes[len(flags):stop]
+            held = self._keys.held_by_all_of(group, chunk)
+            planned = self._planned(group)
+            if planned:  # (in C too)
+                held = list(map(or_, held, map(planned.__contains__, chunk)))
+            flags += held
         return flags[block]

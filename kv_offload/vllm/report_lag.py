@@ -1,24 +1,27 @@
-"""How far the workers' reports reflect the scheduler's plans.
+"""How far the workers' reports reflect the scheduler's plans, and the stores planned since.
 
 A worker reports the keys its stores added only once those stores are copied out of
 engine memory, so a report lags the plans by a step or more. `ReportLag` remembers, per
 plan step, the keys stored and any reset, and the last step every rank says its reports
-reflect (`RankReport.reflected_step`); a lookup whose prefix is being stored (or that
-comes during a reset) waits for the report instead of missing.
+reflect (`RankReport.reflected_step`). A lookup counts the keys of stores planned and not
+yet reflected as held in host memory on every rank (`planned`): the worker that receives a
+load of such a key waits for that store (`tiering_loads`), and if the store does not land
+the load fails that block (a recompute). Once a step is reflected its keys leave `planned`
+and the ranks' reports say whether they are held (a failed store is then simply absent).
+A lookup during a reset waits for the reset's report instead.
 
 Costs: `planned_stores` O(keys stored), `reported` O(keys whose step became reflected),
-`last_unreported_store` O(the request's hashes) but only once per wait (the caller
-remembers the step it waits for).
+`planned(group)` O(1) (a map the lookup reads in C).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping
 
-from kv_offload.specs import KVCacheSpec
 from kv_offload.types import OffloadKey
+
+_EMPTY: dict = {}  # (never written)
 
 
 class ReportLag:
@@ -28,7 +31,8 @@ class ReportLag:
         self.world_size = world_size
         self._by_rank: dict[int, int] = {}  # rank -> last step its reports reflect
         self._stores: deque[tuple[int, list[OffloadKey]]] = deque()  # (step, keys)
-        self._store_step: dict[OffloadKey, int] = {}  # key -> last step storing it
+        # group -> block hash -> the last plan step storing it, not yet reflected
+        self._planned: dict[int, dict[bytes, int]] = {}
         self.reset_step: int | None = None  # a reset planned and not yet reflected
 
     @property
@@ -41,7 +45,12 @@ class ReportLag:
     def planned_stores(self, step: int, keys: list[OffloadKey]) -> None:
         if keys:
             self._stores.append((step, keys))
-            self._store_step.update(dict.fromkeys(keys, step))
+            planned = self._planned
+            for block_hash, group in keys:
+                hashes = planned.get(group)
+                if hashes is None:
+                    hashes = planned[group] = {}
+                hashes[block_hash] = step
 
     def reported(self, rank: int, reflected_step: int) -> None:
         self._by_rank[rank] = reflected_step
@@ -50,20 +59,12 @@ class ReportLag:
             self.reset_step = None
         while self._stores and self._stores[0][0] <= reflected:
             step, keys = self._stores.popleft()
-            for key in keys:
-                if self._store_step.get(key) == step:
-                    del self._store_step[key]
+            for block_hash, group in keys:
+                hashes = self._planned[group]
+                if hashes.get(block_hash) == step:
+                    del hashes[block_hash]
 
-    def last_unreported_store(self, request: Any, specs: Sequence[KVCacheSpec],
-                              hash_block_size: int) -> int:
-        """The last plan step storing one of `request`'s blocks not yet reflected (-1:
-        none)."""
-        if not self._store_step:
-            return -1
-        last = -1
-        hashes = request.block_hashes
-        for g, spec in enumerate(specs):
-            per_block = spec.block_size // hash_block_size
-            for index in range(per_block - 1, len(hashes), per_block):
-                last = max(last, self._store_step.get((hashes[index], g), -1))
-        return last
+    def planned(self, group: int) -> Mapping[bytes, int]:
+        """The block hashes of `group` whose stores are planned and not yet reflected by
+        every rank's reports (read-only)."""
+        return self._planned.get(group, _EMPTY)

@@ -5,12 +5,16 @@ Keys are `(block hash, group)`, with vLLM's own block hashes (one per full
 step every rank reports the keys whose location changed (at most a bounded batch per step,
 so an inventory found at start-up streams in), and this side keeps each rank's map of
 key -> location: a key is a hit only when every rank holds it (each rank holds its own
-shard). Every step costs what changed in it: report batches, new blocks (each group's
-`StoreFrontier` decides each block once), and lookups of requests that arrive or stop
-waiting. A report can be one step late, so a hit may still fail to load: vLLM recomputes
-it (and this side offers that request no more hits). A hit loads in the step that schedules
-its request when `InStepLoads` allows, else asynchronously. Blocks are stored in the step
-whose forward completes them, only those some future hit can load (`StoreFrontier`).
+shard), or when this side planned its store and no report has yet said how it went
+(`ReportLag.planned`: the worker's load of such a key waits for that store). So a request
+that arrives right after another stored its prefix hits at once instead of waiting a step
+for the report. Every step costs what changed in it: report batches, new blocks (each
+group's `StoreFrontier` decides each block once), and lookups of requests that arrive or
+stop waiting. A store can fail and a report lag, so a hit may still fail to load: vLLM
+recomputes it (and this side offers that request no more hits). A hit loads in the step
+that schedules its request when `InStepLoads` allows, else asynchronously. Blocks are
+stored in the step whose forward completes them, only those some future hit can load
+(`StoreFrontier`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ class _Request:
     block_ids: list[list[int]] = field(default_factory=list)
     frontiers: list[StoreFrontier] = field(default_factory=list)  # per group: store decisions
     next_store_tokens: int = 0  # computed tokens before any group can have more to store
-    wait_until_step: int = -1  # its lookup waits until every rank reflects this step
     waiting_since: float | None = None
     stores_off: bool = False  # its block table may be wrong (a step was missed): never store
     loading: bool = False
@@ -99,8 +102,8 @@ class OffloadScheduler(SchedulerRecovery):
         self._failed_loads: list[str] = []
         self._failed_blocks: list[int] = []  # of in-step loads that could not be planned
         self._reset = False
-        # Reports lag the plans by a step; while a request's prefix is being stored, or a
-        # reset is under way, its lookup waits for the report (vLLM asks again next step).
+        # Reports lag the plans by a step: stores planned since count as held (in host
+        # memory); while a reset is under way a lookup waits for its report (vLLM asks again).
         self._step = 0
         self._lag = ReportLag(world_size)
         # Blocks stores may still read that vLLM freed: reallocating one makes the next
@@ -124,7 +127,7 @@ class OffloadScheduler(SchedulerRecovery):
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _Request(request)
-        if not self.ready or self._awaiting_report(request, state):
+        if not self.ready or self._awaiting_reset(state):
             return None, False, None
         if state.load_failed or state.loading:
             return 0, False, None
@@ -135,7 +138,8 @@ class OffloadScheduler(SchedulerRecovery):
         if hit.num_tokens <= num_computed_tokens:
             return 0, False, result
         load_async = not self.in_step.fits(
-            hit, num_computed_tokens, self._keys, lambda g, i: self._hash_of(request, g, i))
+            hit, num_computed_tokens, self._keys, lambda g, i: self._hash_of(request, g, i),
+            self._lag.planned)
         self._pending_hits[request.request_id] = PendingHit(hit, num_computed_tokens,
                                                             load_async)
         return hit.num_tokens - num_computed_tokens, load_async, result
@@ -267,7 +271,8 @@ class OffloadScheduler(SchedulerRecovery):
             step_ids = block_ids[lo:hi] if run else [block_ids[i] for i in new]
             held = self._keys.group_maps(g)  # skip null blocks, keys every rank holds
             only = held[0] if len(held) == 1 else None
-            keep = [block_id != NULL_BLOCK_ID and (
+            planned = self._lag.planned(g)  # and keys whose store is planned already
+            keep = [block_id != NULL_BLOCK_ID and block_hash not in planned and (
                 block_hash not in only if only is not None else
                 not (held and all(block_hash in rank_held for rank_held in held)))
                 for block_hash, block_id in zip(step_hashes, step_ids)]
@@ -293,16 +298,19 @@ class OffloadScheduler(SchedulerRecovery):
             return
         for rank, report in meta.reports.items():
             self._lag.reported(rank, report.reflected_step)
+            self.in_step.reported_read_rate(rank, report.read_bytes_per_s)
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
 
     def source_of(self, request_id: str) -> Location:
         """HOST when every block of the request's planned load is in every rank's host
-        memory, else STORAGE (some of it is read from the storage tier first)."""
+        memory (or its store is planned: it lands there), else STORAGE (some of it is read
+        from the storage tier first)."""
         plan = self._loads.get(request_id, {})
         for g, (hashes, _) in plan.items():
+            planned = self._lag.planned(g)
             for held in self._keys.group_maps(g):  # (plain loops: this runs per hit block)
                 for block_hash in hashes:
-                    if not held.get(block_hash, 0) & HOST_BIT:
+                    if not held.get(block_hash, 0) & HOST_BIT and block_hash not in planned:
                         return Location.STORAGE
         return Location.HOST
 
@@ -337,18 +345,10 @@ class OffloadScheduler(SchedulerRecovery):
     def num_keys(self) -> int:  # (tests and tools; O(ranks))
         return self._keys.num_keys
 
-    def _awaiting_report(self, request: Any, state: _Request) -> bool:
-        """Whether a reset, or a store of one of this request's blocks, is planned but not
-        yet reported by every rank. The request's hashes are scanned once per wait (the
-        step it waits for is remembered), so a waiting request costs O(1) per step; the
-        wait is bounded by `MAX_REPORT_WAIT_S`."""
-        lag = self._lag
-        reflected = lag.reflected
-        if lag.reset_step is None and state.wait_until_step <= reflected:
-            state.wait_until_step = lag.last_unreported_store(request, self.specs,
-                                                              self.hash_block_size)
-        waiting = lag.reset_step is not None or state.wait_until_step > reflected
-        if not waiting:
+    def _awaiting_reset(self, state: _Request) -> bool:
+        """Whether a reset is planned and not yet reported by every rank (what the ranks
+        held before it is moot); the wait is bounded by `MAX_REPORT_WAIT_S`. O(1)."""
+        if self._lag.reset_step is None:
             state.waiting_since = None
             return False
         now = time.monotonic()
@@ -361,8 +361,9 @@ class OffloadScheduler(SchedulerRecovery):
             self.specs[group].block_size // self.hash_block_size) - 1])
 
     def _is_cached_fn(self, request: Any) -> HeldBlocks:
-        """`is_cached(group, block)` for one lookup (each block's key: its last hash)."""
+        """`is_cached(group, block)` for one lookup (each block's key: its last hash): held
+        by every rank, or its store planned and not yet reported."""
         hashes = request.block_hashes
         return HeldBlocks(self._keys, [hashes[spec.block_size // self.hash_block_size - 1::
                                               spec.block_size // self.hash_block_size]
-                                       for spec in self.specs])
+                                       for spec in self.specs], self._lag.planned)

@@ -252,7 +252,8 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker):
             except Exception as exc:  # report what was taken; the rest stays pending
                 self.faults.failed("report", exc)
             report = RankReport(tuple(self._report_keys), bytes(self._report_held),
-                                self._report_reset, self._reflected_step())
+                                self._report_reset, self._reflected_step(),
+                                self.store.read_rate.bytes_per_s)
             self._clear_report(reset=False)
         return KVOffloadWorkerMetadata({self.rank: report})
 

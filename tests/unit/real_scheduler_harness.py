@@ -242,8 +242,9 @@ class Engine:
         self.block_hasher = kv_cache_utils.get_request_block_hasher(
             planned.hash_block_size, hash_fn, *lookahead)
 
-    def add(self, req_id: str) -> Request:
-        request = Request(req_id, PROMPT, SamplingParams(max_tokens=MAX_TOKENS), None,
+    def add(self, req_id: str, max_tokens: int = MAX_TOKENS,
+            prompt: list[int] = PROMPT) -> Request:
+        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens), None,
                           block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         return request
@@ -280,8 +281,9 @@ class Engine:
                 time.sleep(0.001)  # the worker's threads copy meanwhile
         return steps
 
-    def run_to_completion(self, req_id: str) -> tuple[Request, list[Step]]:
-        request = self.add(req_id)
+    def run_to_completion(self, req_id: str, prompt: list[int] = PROMPT
+                          ) -> tuple[Request, list[Step]]:
+        request = self.add(req_id, prompt=prompt)
         return request, self.step_until(lambda s: request.is_finished(), f"{req_id} finished")
 
 

@@ -26,14 +26,16 @@ from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
 BLOCK_BYTES = 8192  # one block of the group on a rank (any value: the test sets budgets)
 
 
-def scheduler(*vllm_specs, budget: int, world_size: int = 1) -> OffloadScheduler:
+def scheduler(*vllm_specs, budget: int, world_size: int = 1, read_budget_s: float = 0.0
+              ) -> OffloadScheduler:
     config = vkv.KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[],
         kv_cache_groups=[vkv.KVCacheGroupSpec([f"layers.{g}"], spec)
                          for g, spec in enumerate(vllm_specs)])
     specs = [g.spec for g in translate_groups(config)]
     return OffloadScheduler(specs, 32, world_size, in_step=InStepLoads(
-        specs, [BLOCK_BYTES] * len(specs), budget))
+        specs, [BLOCK_BYTES] * len(specs), budget, read_budget_s=read_budget_s,
+        world_size=world_size))
 
 
 def hit_of(sched, where=IN_HOST, ranks=(0,), held_blocks=range(4)):
@@ -65,6 +67,38 @@ def test_otherwise_the_hit_loads_asynchronously(why):
     meta = sched.build_meta(output())
     assert meta.in_step == [] and list(meta.loads) == ["r"]
     assert sched.is_loading("r")
+
+
+MIB_PER_S = float(1 << 20)
+
+
+@pytest.mark.parametrize("rates, in_step", [
+    ((2 * MIB_PER_S, 1 * MIB_PER_S), True),  # 32 KiB at the slower 1 MiB/s: 31 ms <= 40 ms
+    ((2 * MIB_PER_S, 0.5 * MIB_PER_S), False),  # 62 ms: over the read budget
+    ((2 * MIB_PER_S, 0.0), False),  # rank 1 has not read anything yet: no figure
+])
+def test_a_disk_hit_loads_in_step_only_when_every_rank_reads_it_within_the_read_budget(
+        rates, in_step):
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2,
+                      read_budget_s=0.04)
+    for rank, rate in enumerate(rates):
+        report(sched, rank, read_bytes_per_s=rate)
+    assert hit_of(sched, ON_DISK, ranks=(0, 1)) == (128, not in_step)
+    meta = sched.build_meta(output())
+    assert meta.in_step == (["r"] if in_step else []) and list(meta.loads) == ["r"]
+
+
+def test_only_the_blocks_read_from_disk_count_against_the_read_budget():
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES,
+                      read_budget_s=0.01)
+    report(sched, 0, read_bytes_per_s=MIB_PER_S)  # 8 KiB: 7.8 ms, 32 KiB: 31 ms
+    make = request_factory()
+    request = make("r", 32 * 5 + 7)
+    report(sched, 0, keys(request, range(3)), new=IN_HOST)
+    report(sched, 0, keys(request, [3]), new=ON_DISK)
+    assert run_hit(sched, request, ([1, 2, 3, 4, 5, 6],)) == (128, False)
+    report(sched, 0, keys(request, [2]), new=ON_DISK)  # (evicted from host: 2 blocks on disk)
+    assert sched.num_new_matched_tokens(make("s", 32 * 5 + 7), 0)[:2] == (128, True)
 
 
 def test_models_with_several_groups_or_mamba_states_always_load_asynchronously():

@@ -32,9 +32,11 @@ from real_scheduler_harness import (
     FULL_BLOCKS,
     HIT_TOKENS,
     MAX_TOKENS,
+    NUM_BLOCKS,
     PROMPT,
     PROMPT_LEN,
     Engine,
+    Step,
     expected_bytes,
     forget_in_engine,
     plan_kv_caches,
@@ -45,6 +47,7 @@ from real_scheduler_harness import (
 from vllm.v1.request import RequestStatus
 
 from kv_offload.testing.tiny_models import build_llama
+from kv_offload.testing.tiny_vocab import VOCAB_SIZE
 from kv_offload.vllm.connector import KVOffloadConnector
 
 ASYNC_ONLY = {"cpu_bytes_to_use": 8 << 20, "in_step_load_bytes": 0}
@@ -203,3 +206,101 @@ def test_an_in_step_load_that_fails_is_recomputed_by_vllm_from_the_bad_block(in_
     assert len(b.output_token_ids) == MAX_TOKENS
     assert all(map(torch.equal, engine.runner.block_bytes(b_blocks),
                    expected_bytes(PROMPT, FULL_BLOCKS)))
+
+
+def _fill_all_but(engine: Engine, keep: list[int]) -> None:
+    """Every block except `keep` gets a value the played forward never writes."""
+    others = [b for b in range(NUM_BLOCKS) if b not in keep]
+    for cache in engine.runner.caches.values():
+        cache[others] = 1000.0
+
+
+def _prefill_a_then_forget_in_vllm(engine: Engine) -> tuple[list[int], Step]:
+    """A runs to its end in its prefill step; vLLM then forgets its own copy at once,
+    before any step carries the workers' report of A's stores back."""
+    a = engine.add("A", max_tokens=1)
+    steps = engine.step_until(lambda s: a.is_finished(), "A finished")
+    a_blocks = scheduled_new(steps[-1], "A").block_ids[0][:FULL_BLOCKS]
+    assert stored(steps[-1:]) == list(zip(map(bytes, a.block_hashes[:FULL_BLOCKS]), a_blocks))
+    assert engine.scheduler.reset_prefix_cache()
+    return a_blocks, steps[-1]
+
+
+def test_a_request_right_after_the_one_that_stored_its_prefix_loads_it_in_step(engines):
+    """The step after A's prefill, B (same prompt) hits on the stores the scheduler
+    planned for A, before any report says they landed: the worker's in-step load waits for
+    A's store copy and B's prefill runs in that very step (before: B waited a step for the
+    report)."""
+    engine = engines(IN_STEP)
+    # Only the engine's own calls move copies now (no pump thread): A's store is still in
+    # flight, not even in a host slot, when the workers report after A's step.
+    engine.runner.worker._pump.stop()
+    a_blocks, _ = _prefill_a_then_forget_in_vllm(engine)
+    _fill_all_but(engine, a_blocks)
+    b = engine.add("B")
+    ran = engine.step()
+    assert "B" in ran.output.num_scheduled_tokens  # the first step B was seen in
+    assert ran.output.has_sync_kv_loads and ran.meta.in_step == ["B"]
+    new = scheduled_new(ran, "B")
+    assert new is not None and new.num_computed_tokens == HIT_TOKENS
+    b_blocks = new.block_ids[0][:FULL_BLOCKS]
+    assert not set(b_blocks) & set(a_blocks)  # (filled above: only the load wrote them)
+    assert ran.states["B"][0] != RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert all(map(torch.equal, engine.runner.block_bytes(b_blocks),
+                   expected_bytes(PROMPT, FULL_BLOCKS)))
+    engine.step_until(lambda s: b.is_finished(), "B finished")
+    assert len(b.output_token_ids) == MAX_TOKENS
+
+
+def test_when_the_store_a_hit_counted_on_fails_the_request_is_recomputed(engines):
+    """As above, but A's store is abandoned (its copies discarded): B's in-step load of
+    those keys fails by block and vLLM recomputes B; no stale byte is served."""
+    engine = engines(IN_STEP)
+    engine.runner.worker._pump.stop()
+    a_blocks, _ = _prefill_a_then_forget_in_vllm(engine)
+    engine.runner.worker.abandon_stores()
+    _fill_all_but(engine, a_blocks)
+    b = engine.add("B")
+    ran = engine.step()
+    assert ran.meta.in_step == ["B"]  # (the hit counted on the planned store)
+    b_blocks = engine.runner.requests["B"].block_ids[:FULL_BLOCKS]
+    steps = engine.step_until(lambda s: b.is_finished(), "B finished")
+    assert steps[0].output.num_scheduled_tokens["B"] == PROMPT_LEN  # recomputed whole
+    assert all(map(torch.equal, engine.runner.block_bytes(b_blocks),
+                   expected_bytes(PROMPT, FULL_BLOCKS)))
+    assert len(b.output_token_ids) == MAX_TOKENS
+
+
+OTHER_PROMPT = [4 + (i * 53 + 11) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]
+
+
+def test_a_disk_hit_loads_in_step_once_the_rank_has_measured_its_reads(engines, tmp_path):
+    """A new engine over a disk directory another engine filled: its first disk hit loads
+    asynchronously (no read measured yet) and measures the read; the next disk hit, well
+    within `in_step_read_s`, is read inside the step that runs it."""
+    disk = {**IN_STEP, "fs_root_dir": str(tmp_path / "kv"), "fs_bytes_to_use": 64 << 20,
+            "in_step_read_s": 5.0}  # (a generous budget: this machine is shared)
+    first = engines(disk)
+    first.run_to_completion("A")
+    first.run_to_completion("A2", prompt=OTHER_PROMPT)
+    first.runner.worker.shutdown()  # finishes the write-through to disk
+    engine = engines(disk)  # a new process: only the files remain
+    ours = engine.scheduler.get_kv_connector()._scheduler
+    engine.step_until(lambda s: ours.num_keys >= 2 * FULL_BLOCKS, "the disk inventory known")
+    b = engine.add("B")
+    steps = engine.step_until(lambda s: "B" in s.output.num_scheduled_tokens, "B ran")
+    assert any(s.states["B"][0] == RequestStatus.WAITING_FOR_REMOTE_KVS for s in steps)
+    assert not any(s.meta.in_step for s in steps)  # asynchronous: no figure yet
+    engine.step_until(lambda s: b.is_finished(), "B finished")
+    c = engine.add("C", prompt=OTHER_PROMPT)
+    steps = engine.step_until(lambda s: "C" in s.output.num_scheduled_tokens, "C ran")
+    ran = steps[-1]
+    assert ran.meta.in_step == ["C"] and ran.output.has_sync_kv_loads
+    assert not any(s.states["C"][0] == RequestStatus.WAITING_FOR_REMOTE_KVS for s in steps)
+    new = scheduled_new(ran, "C")
+    assert new is not None and new.num_computed_tokens == HIT_TOKENS
+    c_blocks = new.block_ids[0][:FULL_BLOCKS]
+    assert all(map(torch.equal, engine.runner.block_bytes(c_blocks),
+                   expected_bytes(OTHER_PROMPT, FULL_BLOCKS)))
+    engine.step_until(lambda s: c.is_finished(), "C finished")
+    assert len(c.output_token_ids) == MAX_TOKENS

@@ -282,9 +282,11 @@ def test_a_larger_block_is_keyed_by_the_hash_at_its_end(make_request):
 
 # --- reports lag plans by a step ---
 
-def test_lookup_waits_while_its_prefix_is_being_stored(make_request):
-    """The prefix a finished request stored is reported one step later: a new request with
-    that prefix waits for the report (vLLM asks again) instead of missing."""
+def test_a_prefix_whose_store_is_planned_hits_before_the_ranks_report_it(make_request):
+    """The prefix a request stored is reported a step later or more: a new request with
+    that prefix hits at once on the stores this side planned (the workers' loads wait for
+    those stores), and once the reports reflect that step only what the ranks hold counts:
+    a store that did not land on a rank is a miss again."""
     sched = full_attention(world_size=2)
     for rank in (0, 1):
         report(sched, rank, reflected_step=-1)
@@ -295,13 +297,17 @@ def test_lookup_waits_while_its_prefix_is_being_stored(make_request):
     assert len(stored(meta)) == 3
     again = make_request("b", 100)
     other = make_request("c", 100, first_token=500)
-    assert sched.num_new_matched_tokens(again, 0)[:2] == (None, False)
-    assert sched.num_new_matched_tokens(other, 0)[:2] == (0, False)  # unrelated: no wait
+    assert sched.num_new_matched_tokens(again, 0)[:2] == (96, True)  # no wait, no miss
+    assert sched.num_new_matched_tokens(other, 0)[:2] == (0, False)  # unrelated: a miss
+    sched.after_alloc(again, ([5, 6, 7, 8],), 96)
+    assert sched.source_of("b") is IN_HOST  # (a store lands in host memory)
+    assert sched.build_meta(output()).loads["b"] == {0: (hashes_of(first, range(3)),
+                                                         [5, 6, 7])}
     done = keys(first, range(3))
     report(sched, 0, done, reflected_step=meta.step)
-    assert sched.num_new_matched_tokens(again, 0)[:2] == (None, False)  # rank 1 not yet
-    report(sched, 1, done, reflected_step=meta.step)
-    assert sched.num_new_matched_tokens(again, 0)[:2] == (96, True)
+    assert sched.num_new_matched_tokens(make_request("d", 100), 0)[:2] == (96, True)
+    report(sched, 1, keys(first, range(2)), reflected_step=meta.step)  # block 2 failed here
+    assert sched.num_new_matched_tokens(make_request("e", 100), 0)[:2] == (64, True)
 
 
 def test_lookup_waits_until_a_reset_is_reported(make_request):

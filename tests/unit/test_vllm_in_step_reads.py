@@ -1,0 +1,92 @@
+"""Hits read from the storage tier inside the step: each rank measures its storage read
+throughput on its own reads and reports it (the scheduler side decides from it, see
+test_vllm_in_step_loads.py); an in-step load that reads from disk is complete, its bytes in
+engine memory, when `start_loads` returns. Real files, real threads."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm_worker_side import (  # noqa: E402
+    ON_DISK,
+    Engine,
+    block_hash,
+    make_worker,
+    same_bytes,
+    store,
+    wait_for_changes,
+    wait_loads,
+)
+
+from kv_offload.config import parse_config  # noqa: E402
+from kv_offload.errors import ConfigError  # noqa: E402
+
+
+@pytest.fixture
+def workers():
+    started = []  # every worker started is shut down after the test
+    yield started
+    for worker in started:
+        worker.shutdown()
+
+
+def _on_disk_only(workers, tmp_path, salt: bytes):
+    """A rank whose disk holds 4 blocks another process stored; the engine forgot them."""
+    engine = Engine()
+    first = make_worker(engine, tmp_path)
+    workers.append(first)
+    hashes = [block_hash(i, salt) for i in range(4)]
+    originals = [engine.block_bytes(0, b) for b in (1, 2, 3, 4)]
+    store(first, {0: (hashes, [1, 2, 3, 4])})
+    first.shutdown()  # finishes the write-through to disk
+    engine.zero(0, range(1, 12))
+    second = make_worker(engine, tmp_path)  # a new process over the same directory
+    workers.append(second)
+    wait_for_changes(second, {(h, 0): ON_DISK for h in hashes})
+    return engine, second, hashes, originals
+
+
+def test_a_rank_reports_its_measured_read_rate_once_it_has_read(workers, tmp_path):
+    _, worker, hashes, _ = _on_disk_only(workers, tmp_path, b"rate")
+    assert worker.report().reports[0].read_bytes_per_s == 0.0  # nothing read: no figure
+    worker.start_loads({"r": {0: (hashes, [5, 6, 7, 8])}})
+    assert wait_loads(worker, {"r"}) == ({"r"}, set())
+    rate = worker.report().reports[0].read_bytes_per_s
+    assert 0 < rate < 1e12  # bytes per second, from the read's bytes over its wall time
+
+
+def test_an_in_step_load_from_disk_is_in_engine_memory_when_start_loads_returns(workers,
+                                                                                tmp_path):
+    engine, worker, hashes, originals = _on_disk_only(workers, tmp_path, b"in-step")
+    worker.start_loads({"r": {0: (hashes, [5, 6, 7, 8])}}, in_step=["r"])
+    for block, original in zip((5, 6, 7, 8), originals):
+        assert same_bytes(engine.block_bytes(0, block), original)
+    assert worker.take_block_errors() == set()
+    assert worker.finished_loads() == (set(), set())  # (in-step: never by request)
+
+
+@pytest.mark.parametrize("value", [-1, "fast", True, 11, float("nan")])
+def test_a_bad_read_budget_is_refused_by_name(value):
+    with pytest.raises(ConfigError, match="in_step_read_s"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "in_step_read_s": value})
+
+
+def test_the_read_budget_defaults_to_50_ms_and_zero_turns_in_step_reads_off():
+    assert parse_config({"cpu_bytes_to_use": 1 << 20}).in_step_read_s == 0.05
+    assert parse_config({"cpu_bytes_to_use": 1 << 20, "in_step_read_s": 0}).in_step_read_s == 0
+
+
+def test_the_read_rate_is_the_fastest_of_the_recent_reads():
+    from kv_offload.read_rate import WINDOW, ReadRate
+
+    rate = ReadRate()
+    assert rate.bytes_per_s == 0.0
+    rate.record(5 << 20, 1.0)  # a first read slowed by the tier's first use: 5 MiB/s
+    rate.record(100 << 20, 0.25)  # 400 MiB/s
+    rate.record(0, 0.1)  # (nothing landed: no sample)
+    assert rate.bytes_per_s == 400 * 2**20
+    for _ in range(WINDOW):  # the tier slowed down for good: the figure follows
+        rate.record(50 << 20, 1.0)
+    assert rate.bytes_per_s == 50 * 2**20
