@@ -45,6 +45,7 @@ from kv_offload.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
+from kv_offload.tp_records import TPShare, rank_records
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
 from kv_offload.vllm.exit_hook import at_interpreter_exit
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
@@ -67,13 +68,17 @@ class OffloadWorker(InStepLoadsOfWorker):
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
-                 copy_timeout_s: float = 30.0, report_storage_copies: bool = False,
+                 tp_share: TPShare | None = None, copy_timeout_s: float = 30.0,
+                 report_storage_copies: bool = False,
                  engine_pins_threads: bool = False) -> None:
         self.config = config
         # KV events announce storage copies too (a report entry per key): only if published.
         self.report_storage_copies = report_storage_copies
         self.engine_pins_threads = engine_pins_threads  # (vLLM's CPU worker: see affinity.py)
         self.rank, self.fingerprint_extra = rank, fingerprint_extra
+        # TP-free records in the storage tier (None: this rank's own namespace, as a tool
+        # or test without a TP identity opens it).
+        self.tp_share = tp_share
         self.copy_timeout_s = copy_timeout_s
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
@@ -106,9 +111,11 @@ class OffloadWorker(InStepLoadsOfWorker):
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
+        records = None if self.tp_share is None else rank_records(
+            self.canonical, kv_caches, groups, self.tp_share, fingerprint)
         with spread_threads(self.engine_pins_threads):  # off the forward's cores
             self.store = TieredStore.from_config(
-                self.canonical, self.config, fingerprint,
+                self.canonical, self.config, fingerprint, records=records,
                 report_storage_copies=self.report_storage_copies)
             logger.info("kv-offload rank %d: %s", self.rank, self.store.describe())
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
