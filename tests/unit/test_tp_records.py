@@ -28,17 +28,15 @@ from test_tp_pages_property import (
     oracle_fill,
 )
 
+from kv_offload.backends.base import TierChanges
 from kv_offload.backends.example import DictTier
-from kv_offload.backends.namespaced import NamespacedTier
 from kv_offload.config import parse_config
 from kv_offload.testing.example_models import group_layers
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tp_records import TPShare, rank_records
-from kv_offload.tp_tier import TPRecordTier
 from kv_offload.types import Location
 
 TP_SIZES = (1, 2, 4, 8)
-EVERY_PAIR = [(a, b) for a in TP_SIZES for b in TP_SIZES]
 
 
 def num_groups(name: str) -> int:
@@ -56,10 +54,8 @@ def open_rank(r: Rank, storage: dict, weights: str = "weights-A") -> TieredStore
     share = TPShare(weights, r.tp, r.rank, KV_HEADS[r.model.name])
     records = rank_records(r.canonical, r.model.kv_caches, r.model.groups, share, shape_fp)
     slot = max(r.canonical.slot_bytes_per_block(g) for g in range(len(r.model.groups)))
-    if "plug_in" in storage:  # one DictTier in this process, as a plug-in is opened
-        tier = TPRecordTier(NamespacedTier(storage["plug_in"], records.fingerprint), records)
-        return TieredStore(r.canonical, 8 * slot, storage=tier)
-    config = parse_config({"cpu_bytes_to_use": 8 * slot, **storage})
+    slots = len(r.model.groups) * LOGICAL_BLOCKS  # (room for every block: no staging)
+    config = parse_config({"cpu_bytes_to_use": slots * slot, **storage})
     return TieredStore.from_config(r.canonical, config, shape_fp, records=records)
 
 
@@ -81,21 +77,25 @@ def store_all(name: str, tp: int, storage: dict, seed: int, ranks=None, **kw) ->
         store = open_rank(w, storage, **kw)
         [stored] = store.wait([store.submit_store(blocks_of(w, every))])
         assert stored.success and store.flush()
-        if "plug_in" not in storage:
-            store.close()
+        store.close()
 
 
-def visible(store: TieredStore, r: Rank, every, settle_s: float = 0.3) -> set:
-    """The blocks the store's change feed shows in the storage tier, once it stops changing."""
+def visible(store: TieredStore, r: Rank, every, want, timeout_s: float = 10.0) -> set:
+    """The blocks the store's change feed shows in the storage tier: polled until `want`
+    shows (or the timeout), then a few polls more (nothing else may show up)."""
     keys = {(g, i): (block_hash(r, g, i), g) for g, i in every}
-    seen, quiet_since = None, time.monotonic()
-    while time.monotonic() - quiet_since < settle_s:
+
+    def seen() -> set:
         store.poll()
-        now = {b for b, k in keys.items() if store.lookup([k]) == [Location.STORAGE]}
-        if now != seen:
-            seen, quiet_since = now, time.monotonic()
+        return {b for b, k in keys.items() if store.lookup([k]) == [Location.STORAGE]}
+
+    deadline = time.monotonic() + timeout_s
+    while seen() != want and time.monotonic() < deadline:
         time.sleep(0.005)
-    return seen
+    for _ in range(5):
+        time.sleep(0.002)
+        seen()
+    return seen()
 
 
 def load_and_check(name: str, a: int, b: int, storage: dict, seed: int, **kw) -> None:
@@ -105,7 +105,7 @@ def load_and_check(name: str, a: int, b: int, storage: dict, seed: int, **kw) ->
         every = {(g, i) for g in range(len(r.model.groups)) for i in range(LOGICAL_BLOCKS)}
         want = {(g, i) for g, i in every if expected_hits(name, a, b, g)}
         store = open_rank(r, storage, **kw)
-        assert visible(store, r, every) == want, f"TP={b} rank {rank} after TP={a}"
+        assert visible(store, r, every, want) == want, f"TP={b} rank {rank} after TP={a}"
         if want:
             [loaded] = store.wait([store.submit_load(blocks_of(r, want))])
             assert loaded.success and loaded.from_storage == len(want)
@@ -114,43 +114,73 @@ def load_and_check(name: str, a: int, b: int, storage: dict, seed: int, **kw) ->
         oracle_fill(reference, seed, want)
         assert torch.equal(r.model.buffer, reference.model.buffer), \
             f"TP={b} rank {rank}: engine bytes differ from vLLM's pages after TP={a} stored"
-        if "plug_in" not in storage:
-            store.close()
+        store.close()
 
 
 def fs(tmp_path) -> dict:
     return {"fs_root_dir": str(tmp_path / "root"), "fs_bytes_to_use": "1GiB"}
 
 
-@pytest.mark.parametrize(("a", "b"), EVERY_PAIR)
-@pytest.mark.parametrize("name", ["llama-8b", "deepseek-mla", "qwen2-1.5b"])
-def test_blocks_stored_at_tp_a_on_disk_load_at_tp_b_as_vllm_pages(tmp_path, name, a, b):
-    store_all(name, a, fs(tmp_path), seed=a * 10 + b)
-    load_and_check(name, a, b, fs(tmp_path), seed=a * 10 + b)
+# Every pair for a GQA model (heads split 8/4/2/1 ways); for the MLA latent (one record,
+# written by rank 0 only) and a 2-head model (replicated at TP 4 and 8) the pairs that cross
+# between replicated and split shapes (the property test covers every pair of the mapping).
+CASES = [("llama-8b", a, TP_SIZES) for a in TP_SIZES] + [
+    ("deepseek-mla", 2, (1, 2)), ("qwen2-1.5b", 8, (1, 2)), ("qwen2-1.5b", 1, (8,))]
 
 
-@pytest.mark.parametrize(("a", "b"), [(1, 2), (2, 1), (2, 2), (4, 1)])
-@pytest.mark.parametrize("name", ["gemma3", "qwen3-next"])
+@pytest.mark.parametrize(("name", "a", "reads"), CASES)
+def test_blocks_stored_at_tp_a_on_disk_load_at_tp_b_as_vllm_pages(tmp_path, name, a, reads):
+    store_all(name, a, fs(tmp_path), seed=a)
+    for b in reads:
+        load_and_check(name, a, b, fs(tmp_path), seed=a)
+
+
+@pytest.mark.parametrize(("name", "a", "b"), [("gemma3", 2, 1), ("gemma3", 1, 2),
+                                              ("qwen3-next", 1, 1), ("qwen3-next", 2, 1)])
 def test_hybrid_and_sliding_window_models_cross_tp_on_disk_where_vllm_allows(tmp_path, name,
                                                                               a, b):
-    # (gemma3: both groups cross; qwen3-next: its GatedDeltaNet states stay per TP shape and
-    # miss at another TP size, its attention blocks change size with TP at 4)
+    # (gemma3: both groups cross; qwen3-next: its GatedDeltaNet states stay per TP shape:
+    # they load at their own shape and miss at another, where its attention blocks load)
     store_all(name, a, fs(tmp_path), seed=5)
     load_and_check(name, a, b, fs(tmp_path), seed=5)
 
 
-@pytest.mark.parametrize(("name", "a", "b"), [("llama-8b", 2, 1), ("llama-8b", 1, 4),
-                                              ("deepseek-mla", 1, 2), ("qwen2-1.5b", 8, 1)])
-@pytest.mark.parametrize("backend", ["valkey", "s3"])
-def test_blocks_cross_tp_sizes_through_shared_servers(request, backend, name, a, b):
+@pytest.mark.parametrize(("backend", "a", "b"), [("valkey", 2, 1), ("valkey", 1, 4),
+                                                 ("s3", 2, 1)])
+def test_blocks_cross_tp_sizes_through_shared_servers(request, backend, a, b):
+    name = "llama-8b"
     storage = {"storage_tier": backend,
                "storage_options": shared_tier_options(backend, request, "tp")}
     store_all(name, a, storage, seed=3)
     load_and_check(name, a, b, storage, seed=3)
 
 
+class SharedDictTier(DictTier):
+    """The example plug-in over a dict that every instance naming the same `store` shares
+    (as processes share a server), with a change feed: what the dict held when the
+    instance opened, then its own writes."""
+
+    STORES: dict[str, dict] = {}
+
+    def __init__(self, store: str) -> None:
+        super().__init__()
+        self._data = self.STORES.setdefault(store, {})
+        self._feed = list(self._data)
+
+    def _store(self, key: bytes, buf: torch.Tensor) -> bool:
+        ok = super()._store(key, buf)
+        self._feed += [key] if ok else []
+        return ok
+
+    def take_changes(self, max_keys: int) -> TierChanges:
+        with self._lock:
+            added, self._feed = self._feed[:max_keys], self._feed[max_keys:]
+        return TierChanges(tuple(added))
+
+
 def test_blocks_cross_tp_sizes_through_a_plug_in_tier():
-    storage = {"plug_in": DictTier()}
+    storage = {"storage_tier": "test_tp_records:SharedDictTier",
+               "storage_options": {"store": "tp-plug-in"}}
     store_all("llama-8b", 4, storage, seed=4)
     load_and_check("llama-8b", 4, 2, storage, seed=4)
     load_and_check("llama-8b", 4, 1, storage, seed=4)
@@ -164,7 +194,7 @@ def test_a_block_counts_as_stored_only_when_every_head_a_rank_needs_is(tmp_path)
                            (4, 2, set()), (8, 3, every), (8, 4, set())]:
         r = make_rank("llama-8b", tp, rank, "LBHNC", None, order)
         store = open_rank(r, fs(tmp_path))
-        assert visible(store, r, every) == sees, f"TP={tp} rank {rank}"
+        assert visible(store, r, every, sees) == sees, f"TP={tp} rank {rank}"
         if not sees:  # a load of a block not covered fails without touching the engine
             before = r.model.buffer.clone()
             [loaded] = store.wait([store.submit_load(blocks_of(r, every))])
@@ -177,5 +207,5 @@ def test_a_model_with_other_weights_is_never_served(tmp_path):
     for tp in (1, 2):
         r = make_rank("llama-8b", tp, 0, "LBHNC", None, list(range(LOGICAL_BLOCKS + 1)))
         store = open_rank(r, fs(tmp_path), weights="weights-B")
-        assert visible(store, r, {(0, 0), (0, 1)}) == set()
+        assert visible(store, r, {(0, 0), (0, 1)}, set()) == set()
         store.close()
