@@ -10,11 +10,15 @@ Four engine processes (the tiny Llama-like model, 2 KV heads: a TP=2 rank holds 
   token it reports cached came from records that two TP=2 ranks wrote, one head each), and
 - a fresh TP=2 engine over the TP=1 writer's Valkey prefix (each rank takes its head out of
   the one record the TP=1 rank wrote)
-must report the whole prefix cached, with the tokens of recompute at their own TP size and
-tokens and top-5 logprobs bit-identical to vLLM's own cache at their own TP size (a prefix
-from any cache is continued by a short prefill: compared like for like; TP=2 rounds
-differently from TP=1 in bf16, so each is compared with its own TP size).
-Runs in about 3 minutes here (two TP=2 engines, multiprocess).
+must report the whole prefix cached and generate the tokens of recompute at their own TP
+size. The logprobs cannot be bit-identical to vLLM's own cache at the reader's TP size: the
+prefix KV itself was computed at the other TP size (its all-reduces round differently in
+bf16: the two TP sizes' own outputs differ by up to ~0.13 in a top-5 logprob here, and their
+top-5 sets differ). So every generated position's top-5 logprobs must be within
+`LOGPROB_TOLERANCE` of vLLM's own cache at the reader's TP size (measured: 0.004), an order
+of magnitude inside the gap between the TP sizes themselves, which the test also checks;
+wrong heads or misplaced bytes change tokens (the byte-exact proof is the unit tests').
+Runs in about 3 to 6 minutes here (two TP=2 engines, multiprocess; the machine is shared).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from test_shared_valkey import shared_config, valkey_url  # noqa: F401 (a fixtur
 
 pytestmark = pytest.mark.e2e
 
+LOGPROB_TOLERANCE = 0.02
 TP2 = {"engine_args": {"tensor_parallel_size": 2}, "multiprocess": True,
        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "timeout_s": 600}
 
@@ -50,11 +55,24 @@ def test_a_prefix_crosses_tp_sizes_through_disk_and_valkey(tiny_models, tmp_path
     r1 = engine(model, tmp_path, "r1", [{}], disk, tp=1)  # TP=2 -> TP=1 through disk
     r2 = engine(model, tmp_path, "r2", [{}], valkey, tp=2)  # TP=1 -> TP=2 through Valkey
 
+    tp_gap = deviation(w1["passes"][0], w2["passes"][0])
+    assert tp_gap > 5 * LOGPROB_TOLERANCE  # (else this model would not tell TP sizes apart)
     for writer, (reader,) in ((w1, r1["passes"]), (w2, r2["passes"])):
         computed, engine_cached = writer["passes"]
         assert cached(computed) == [0] * len(PROMPTS)
         assert cached(reader) == full_prefixes(reader) == cached(engine_cached)  # all hit
-        assert outputs(reader) == outputs(engine_cached)  # tokens and top-5 logprobs
-        assert token_ids(reader) == token_ids(computed)  # the tokens of recompute
+        assert token_ids(reader) == token_ids(computed) == token_ids(engine_cached)
+        assert deviation(reader, engine_cached) <= LOGPROB_TOLERANCE
     for name in ("r1", "r2"):
         assert "will be recomputed" not in (tmp_path / name / "engine.log").read_text()
+
+
+def deviation(a: dict, b: dict) -> float:
+    """The largest difference of a top-5 logprob of a token both passes list, over every
+    generated position of every request."""
+    worst = 0.0
+    for (_, steps_a), (_, steps_b) in zip(outputs(a), outputs(b), strict=True):
+        for top_a, top_b in zip(steps_a, steps_b, strict=True):
+            for token in top_a.keys() & top_b.keys():
+                worst = max(worst, abs(top_a[token] - top_b[token]))
+    return worst
