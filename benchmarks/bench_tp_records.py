@@ -90,8 +90,8 @@ def one_run(tp: int, layout: str, blocks: int, variant: str) -> dict[str, float]
     """GB/s of one rank's bytes: store (rank 0 of `tp`) and load (rank 0 of `tp`)."""
     shared = variant != "before"
     with tempfile.TemporaryDirectory(dir=".") as root:
-        _, slot = open_rank(root + "/probe", tp, 0, layout, 1, False)
-        nbytes = slot * blocks
+        model = build_example(MODEL, 1, layout=layout, tp_size=tp)
+        nbytes = blocks * canonicalize(model.kv_caches, model.groups, 1).slot_bytes_per_block(0)
         if variant == "cross":  # written by the other TP size, read by rank 0 of `tp`
             other = 2 if tp == 1 else 1
             store(root, other, layout, blocks, True, range(other))
