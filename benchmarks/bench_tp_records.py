@@ -16,7 +16,9 @@ stored: a rank reads the TP=1 record, 2x its bytes, and takes its half).
 
     python benchmarks/bench_tp_records.py --runs 5 --json tp-records.json
 
-Prints GB/s medians per cell and the now/before ratio (goal: >= 0.9).
+Prints GB/s medians per cell and the now/before ratio (goal: >= 0.9), per wall second and
+per CPU second of the process (all its threads: what the layer adds is CPU work; the CPU
+ratio is the one a loaded machine does not drown).
 """
 
 from __future__ import annotations
@@ -57,20 +59,21 @@ def hashes(blocks: int) -> list[bytes]:
     return [i.to_bytes(8, "little") for i in range(blocks)]
 
 
-def store(root, tp, layout, blocks, shared, ranks) -> float:
-    """Seconds until every rank's blocks are on disk (ranks in turn, as one process)."""
-    total = 0.0
+def store(root, tp, layout, blocks, shared, ranks) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads of this process) until every rank's blocks are on
+    disk (ranks in turn, as one process)."""
+    wall = cpu = 0.0
     for rank in ranks:
         s, _ = open_rank(root, tp, rank, layout, blocks, shared)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         [res] = s.wait([s.submit_store({0: (hashes(blocks), list(range(blocks)))})])
         assert res.success and s.flush()
-        total += time.perf_counter() - t0
+        wall, cpu = wall + time.perf_counter() - t0, cpu + time.process_time() - c0
         s.close()
-    return total
+    return wall, cpu
 
 
-def load(root, tp, rank, layout, blocks, shared) -> float:
+def load(root, tp, rank, layout, blocks, shared) -> tuple[float, float]:
     s, _ = open_rank(root, tp, rank, layout, blocks, shared)
     keys = [(h, 0) for h in hashes(blocks)]
     deadline = time.monotonic() + 30
@@ -78,16 +81,17 @@ def load(root, tp, rank, layout, blocks, shared) -> float:
         assert time.monotonic() < deadline, "the stored blocks never showed"
         s.poll()
         time.sleep(0.001)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     [res] = s.wait([s.submit_load({0: (hashes(blocks), list(range(blocks)))})])
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0, time.process_time() - c0
     assert res.success and res.from_storage == blocks
     s.close()
     return seconds
 
 
 def one_run(tp: int, layout: str, blocks: int, variant: str) -> dict[str, float]:
-    """GB/s of one rank's bytes: store (rank 0 of `tp`) and load (rank 0 of `tp`)."""
+    """GB/s of one rank's bytes per wall second and per CPU second: store and load (rank 0
+    of `tp`)."""
     shared = variant != "before"
     with tempfile.TemporaryDirectory(dir=".") as root:
         model = build_example(MODEL, 1, layout=layout, tp_size=tp)
@@ -95,11 +99,12 @@ def one_run(tp: int, layout: str, blocks: int, variant: str) -> dict[str, float]
         if variant == "cross":  # written by the other TP size, read by rank 0 of `tp`
             other = 2 if tp == 1 else 1
             store(root, other, layout, blocks, True, range(other))
-            return {"store": float("nan"),
-                    "load": nbytes / load(root, tp, 0, layout, blocks, True) / 1e9}
-        seconds = store(root, tp, layout, blocks, shared, [0])
-        return {"store": nbytes / seconds / 1e9,
-                "load": nbytes / load(root, tp, 0, layout, blocks, shared) / 1e9}
+            stored = (float("nan"), float("nan"))
+        else:
+            stored = store(root, tp, layout, blocks, shared, [0])
+        loaded = load(root, tp, 0, layout, blocks, shared)
+        return {"store": nbytes / stored[0] / 1e9, "store_cpu": nbytes / stored[1] / 1e9,
+                "load": nbytes / loaded[0] / 1e9, "load_cpu": nbytes / loaded[1] / 1e9}
 
 
 def main() -> None:
@@ -120,17 +125,19 @@ def main() -> None:
                         cell.setdefault(op, []).append(value)
     medians = {name: {op: statistics.median(v) for op, v in ops.items()}
                for name, ops in cells.items()}
-    print(f"GB/s of one rank's bytes, median of {args.runs} runs, {args.blocks} blocks")
-    print("| shape | store before | store now | ratio | load before | load now | ratio | "
-          "load of the other TP size's records |")
-    print("|---|---|---|---|---|---|---|---|")
-    for tp in (1, 2):
-        for layout in ("LBHNC", "LBNHC"):
-            b, n = medians[f"TP={tp} {layout} before"], medians[f"TP={tp} {layout} now"]
-            c = medians[f"TP={tp} {layout} cross"]
-            print(f"| TP={tp} {layout} | {b['store']:.2f} | {n['store']:.2f} | "
-                  f"{n['store'] / b['store']:.2f} | {b['load']:.2f} | {n['load']:.2f} | "
-                  f"{n['load'] / b['load']:.2f} | {c['load']:.2f} |")
+    for unit, suffix in (("wall", ""), ("CPU", "_cpu")):
+        print(f"GB/s of one rank's bytes per {unit} second, median of {args.runs} runs, "
+              f"{args.blocks} blocks")
+        print("| shape | store before | store now | ratio | load before | load now | ratio | "
+              "load of the other TP size's records |")
+        print("|---|---|---|---|---|---|---|---|")
+        for tp in (1, 2):
+            for layout in ("LBHNC", "LBNHC"):
+                b, n = medians[f"TP={tp} {layout} before"], medians[f"TP={tp} {layout} now"]
+                c = medians[f"TP={tp} {layout} cross"]
+                st, ld = "store" + suffix, "load" + suffix
+                print(f"| TP={tp} {layout} | {b[st]:.2f} | {n[st]:.2f} | {n[st] / b[st]:.2f} | "
+                      f"{b[ld]:.2f} | {n[ld]:.2f} | {n[ld] / b[ld]:.2f} | {c[ld]:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": cells, "medians": medians}, f, indent=1)

@@ -47,7 +47,7 @@ import xxhash
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import CanonicalizationError, ConfigError, TransferError
 from kv_offload.kernels.geometry import HostSlotLayout
-from kv_offload.specs import KVCacheGroup, KVCacheSpec, UniformTypeKVCacheSpecs
+from kv_offload.specs import KVCacheGroup, KVCacheSpec
 from kv_offload.tp_layout import KVHeadShard, group_shard, tp_mode
 from kv_offload.tp_pages import AttentionPageFormat, group_units
 
@@ -128,7 +128,7 @@ class GroupRecords:
 
     def pack(self, slot: torch.Tensor, out: torch.Tensor) -> None:
         """Write this rank's own record (all its heads) from a host slot buffer into `out`."""
-        for page, part in zip(self._pages(slot), self._record_views(out, self.own)):
+        for page, part in self._layer_views(slot, out, self.own):
             part.copy_(page)
 
     def unpack(self, record: torch.Tensor, part: CoverPart, slot: torch.Tensor) -> None:
@@ -139,24 +139,43 @@ class GroupRecords:
         src = slice(part.take.first - part.record.first, part.take.stop - part.record.first)
         dst = slice(part.take.first - self.shard.first_head,
                     part.take.stop - self.shard.first_head)
-        for page, view in zip(self._pages(slot), self._record_views(record, part.record)):
+        for page, view in self._layer_views(slot, record, part.record):
             page[dst].copy_(view[src])
 
-    def _pages(self, slot: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the `(H, ratio, n, row)` head view of its page in a slot buffer."""
-        return [fmt.head_view(slot[start:start + fmt.page_bytes])
-                for fmt, start in zip(self.formats, self.ref_offsets)]
+    def _layer_views(self, slot: torch.Tensor, record: torch.Tensor, heads: HeadRange):
+        """Per layer: its page in a slot buffer as `(H, ratio, n, row)` and its part of a
+        record of `heads` as `(heads, ratio, n, row)`, both in the widest integer type that
+        divides a row and both addresses (a copy then moves 8 bytes per element, not 1: the
+        transposes of NHD pages run near memory speed)."""
+        at = 0
+        for fmt, start in zip(self.formats, self.ref_offsets):
+            page, part = slot[start:start + fmt.page_bytes], \
+                record[at:at + heads.size * fmt.unit_bytes]
+            at += heads.size * fmt.unit_bytes
+            wide = _wide(fmt.row_bytes, page.data_ptr(), part.data_ptr())
+            ratio, n, row = fmt.block_tokens // fmt.kernel_tokens, fmt.kernel_tokens, \
+                fmt.row_bytes // wide.itemsize
+            page = page.view(wide)
+            page = page.view(ratio, fmt.num_heads, n, row).permute(1, 0, 2, 3) \
+                if fmt.heads_outer else page.view(ratio, n, fmt.num_heads, row).permute(2, 0, 1, 3)
+            yield page, part.view(wide).view(heads.size, ratio, n, row)
 
-    def _record_views(self, record: torch.Tensor, heads: HeadRange) -> list[torch.Tensor]:
-        """Per layer, the `(heads, ratio, n, row)` view of its part of a record."""
-        views, start = [], 0
-        for fmt in self.formats:
-            size = heads.size * fmt.unit_bytes
-            ratio = fmt.block_tokens // fmt.kernel_tokens
-            views.append(record[start:start + size].view(
-                heads.size, ratio, fmt.kernel_tokens, fmt.row_bytes))
-            start += size
-        return views
+
+def _wide(row_bytes: int, *addresses: int) -> torch.dtype:
+    """The widest integer type dividing a row and every address (same type both sides:
+    a copy between two types would convert values)."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if row_bytes % size == 0 and all(a % size == 0 for a in addresses):
+            return dtype
+    return torch.int8
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """An int8 buffer starting on a 4096-byte boundary (the filesystem tier's O_DIRECT
+    path takes such buffers straight; `_wide` views need at least 8-byte alignment)."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.int8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + nbytes]
 
 
 @dataclass(frozen=True)
@@ -254,9 +273,7 @@ def shared_fingerprint(canonical: CanonicalKVCaches, groups: Sequence[KVCacheGro
 
 
 def _tp_free(spec: KVCacheSpec) -> tuple:
-    """A spec's fields without the per-rank ones (head count, page padding)."""
-    if isinstance(spec, UniformTypeKVCacheSpecs):  # (layers are described one by one)
-        raise ConfigError("a uniform-type group is described per layer")
+    """A layer spec's fields without the per-rank ones (head count, page padding)."""
     fields = tuple((f.name, repr(getattr(spec, f.name))) for f in dataclasses.fields(spec)
                    if f.name not in ("num_kv_heads", "page_size_padded"))
     return type(spec).__name__, fields

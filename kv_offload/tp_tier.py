@@ -39,7 +39,7 @@ from kv_offload.backends.base import (
     TierStats,
     check_tier_request,
 )
-from kv_offload.tp_records import CoverPart, GroupRecords, RankRecords
+from kv_offload.tp_records import CoverPart, GroupRecords, RankRecords, aligned_buffer
 
 
 @dataclass
@@ -147,7 +147,7 @@ class TPRecordTier(StorageTier):
                 inner_buffers.append(buffer)
             elif recs.shard.writes:
                 record = buffer if recs.identity else \
-                    torch.empty(recs.record_bytes(recs.own), dtype=torch.int8)
+                    aligned_buffer(recs.record_bytes(recs.own))
                 if not recs.identity:
                     recs.pack(buffer.view(torch.int8), record)
                     job.temps.append(record)
@@ -184,7 +184,7 @@ class TPRecordTier(StorageTier):
                     if recs.identity and part.record == part.take == recs.own:
                         inner_buffers.append(buffer)  # straight into the slot
                         continue
-                    temp = torch.empty(recs.record_bytes(part.record), dtype=torch.int8)
+                    temp = aligned_buffer(recs.record_bytes(part.record))
                     plan.unpack.append((part, len(inner_buffers), temp))
                     inner_buffers.append(temp)
             job.plans.append(plan)
