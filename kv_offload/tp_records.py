@@ -140,25 +140,35 @@ class GroupRecords:
         dst = slice(part.take.first - self.shard.first_head,
                     part.take.stop - self.shard.first_head)
         for page, view in self._layer_views(slot, record, part.record):
-            page[dst].copy_(view[src])
+            page[:, dst].copy_(view[:, src])
 
     def _layer_views(self, slot: torch.Tensor, record: torch.Tensor, heads: HeadRange):
-        """Per layer: its page in a slot buffer as `(H, ratio, n, row)` and its part of a
-        record of `heads` as `(heads, ratio, n, row)`, both in the widest integer type that
-        divides a row and both addresses (a copy then moves 8 bytes per element, not 1: the
-        transposes of NHD pages run near memory speed)."""
-        at = 0
-        for fmt, start in zip(self.formats, self.ref_offsets):
-            page, part = slot[start:start + fmt.page_bytes], \
-                record[at:at + heads.size * fmt.unit_bytes]
-            at += heads.size * fmt.unit_bytes
+        """Pairs of views `(layers, H, ratio, n, row)` of pages in a slot buffer and
+        `(layers, heads, ratio, n, row)` of their part of a record of `heads`: one pair for
+        all layers when they share one format back to back (one copy per block, not one per
+        layer: a copy of a few KiB costs more in calls than in bytes), else one per layer.
+        Both in the widest integer type dividing a row and both addresses (8 bytes per
+        element, not 1: the transposes of NHD pages run near memory speed)."""
+        fmt0, layers = self.formats[0], len(self.formats)
+        if all(f == fmt0 for f in self.formats) and self.ref_offsets == tuple(
+                self.ref_offsets[0] + i * fmt0.page_bytes for i in range(layers)):
+            runs = [(fmt0, self.ref_offsets[0], 0, layers)]
+        else:
+            runs, at = [], 0
+            for fmt, start in zip(self.formats, self.ref_offsets):
+                runs.append((fmt, start, at, 1))
+                at += heads.size * fmt.unit_bytes
+        for fmt, start, at, count in runs:
+            page = slot[start:start + count * fmt.page_bytes]
+            part = record[at:at + count * heads.size * fmt.unit_bytes]
             wide = _wide(fmt.row_bytes, page.data_ptr(), part.data_ptr())
             ratio, n, row = fmt.block_tokens // fmt.kernel_tokens, fmt.kernel_tokens, \
                 fmt.row_bytes // wide.itemsize
             page = page.view(wide)
-            page = page.view(ratio, fmt.num_heads, n, row).permute(1, 0, 2, 3) \
-                if fmt.heads_outer else page.view(ratio, n, fmt.num_heads, row).permute(2, 0, 1, 3)
-            yield page, part.view(wide).view(heads.size, ratio, n, row)
+            page = page.view(count, ratio, fmt.num_heads, n, row).permute(0, 2, 1, 3, 4) \
+                if fmt.heads_outer else \
+                page.view(count, ratio, n, fmt.num_heads, row).permute(0, 3, 1, 2, 4)
+            yield page, part.view(wide).view(count, heads.size, ratio, n, row)
 
 
 def _wide(row_bytes: int, *addresses: int) -> torch.dtype:
