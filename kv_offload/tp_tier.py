@@ -63,6 +63,32 @@ class _Job:
     temps: list[torch.Tensor] = field(default_factory=list)  # kept alive until the job ends
 
 
+SPARE_BUFFER_BYTES = 64 << 20  # record buffers kept for reuse (fresh pages fault on first touch)
+
+
+class _Buffers:
+    """Record buffers for packed writes and whole-record reads, reused by size: a fresh
+    allocation of a few MiB is fresh pages that the kernel zeroes on first touch, which cost
+    more than the copy into them. Keeps at most `SPARE_BUFFER_BYTES` spare."""
+
+    def __init__(self) -> None:
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._spare_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        spare = self._spare.get(nbytes)
+        if spare:
+            self._spare_bytes -= nbytes
+            return spare.pop()
+        return aligned_buffer(nbytes)
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            if self._spare_bytes + buffer.numel() <= SPARE_BUFFER_BYTES:
+                self._spare.setdefault(buffer.numel(), []).append(buffer)
+                self._spare_bytes += buffer.numel()
+
+
 class TPRecordTier(StorageTier):
     """`inner` holding TP-free records, seen by one rank (see the module docstring)."""
 
@@ -74,6 +100,7 @@ class TPRecordTier(StorageTier):
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}  # by inner job id
         self._done: list[TierJobResult] = []
+        self._buffers = _Buffers()
 
     # --- presence ---
 
@@ -147,7 +174,7 @@ class TPRecordTier(StorageTier):
                 inner_buffers.append(buffer)
             elif recs.shard.writes:
                 record = buffer if recs.identity else \
-                    aligned_buffer(recs.record_bytes(recs.own))
+                    self._buffers.take(recs.record_bytes(recs.own))
                 if not recs.identity:
                     recs.pack(buffer.view(torch.int8), record)
                     job.temps.append(record)
@@ -184,7 +211,8 @@ class TPRecordTier(StorageTier):
                     if recs.identity and part.record == part.take == recs.own:
                         inner_buffers.append(buffer)  # straight into the slot
                         continue
-                    temp = aligned_buffer(recs.record_bytes(part.record))
+                    temp = self._buffers.take(recs.record_bytes(part.record))
+                    job.temps.append(temp)
                     plan.unpack.append((part, len(inner_buffers), temp))
                     inner_buffers.append(temp)
             job.plans.append(plan)
@@ -226,6 +254,7 @@ class TPRecordTier(StorageTier):
                 for part, _, temp in plan.unpack:
                     recs.unpack(temp, part, target)
             flags.append(ok)
+        self._buffers.give(job.temps)  # (the tier below is done with them)
         return TierJobResult(job.job_id, job.keys, tuple(flags))
 
     # --- the rest passes through ---
