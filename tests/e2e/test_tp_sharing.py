@@ -18,7 +18,8 @@ top-5 sets differ). So every generated position's top-5 logprobs must be within
 `LOGPROB_TOLERANCE` of vLLM's own cache at the reader's TP size (measured: 0.004), an order
 of magnitude inside the gap between the TP sizes themselves, which the test also checks;
 wrong heads or misplaced bytes change tokens (the byte-exact proof is the unit tests').
-Runs in about 3 to 6 minutes here (two TP=2 engines, multiprocess; the machine is shared).
+Runs in 3 minutes here on a quiet machine (two TP=2 engines, multiprocess), 6 to 10 under
+the load of other developers' jobs.
 """
 
 from __future__ import annotations
