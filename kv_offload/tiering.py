@@ -57,6 +57,7 @@ from kv_offload.tiering_jobs import (
 )
 from kv_offload.tiering_loads import LoadPipeline
 from kv_offload.tiering_stores import StorePipeline
+from kv_offload.tp_records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
 ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
@@ -121,12 +122,20 @@ class TieredStore(LoadPipeline, StorePipeline):
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
-                    fingerprint: str, *, report_storage_copies: bool = False) -> TieredStore:
+                    fingerprint: str, *, records: RankRecords | None = None,
+                    report_storage_copies: bool = False) -> TieredStore:
+        """`records`: keep TP-free records in the storage tier, namespaced by their shared
+        fingerprint (`tp_records`); None: this rank's pages under `fingerprint`."""
         from kv_offload.backends import make_storage_tier
         from kv_offload.backends.sealing import make_codec
+        from kv_offload.tp_tier import TPRecordTier
 
         codec = make_codec(config.secret_file, config.encrypt)
+        if records is not None:
+            fingerprint = records.fingerprint
         storage = make_storage_tier(config, fingerprint, codec)  # fs_root_dir or storage_tier
+        if storage is not None and records is not None:
+            storage = TPRecordTier(storage, records)
         return cls(canonical, config.cpu_bytes_to_use, storage=storage,
                    eviction_policy=config.eviction_policy,
                    report_storage_copies=report_storage_copies, codec=codec,

@@ -23,15 +23,22 @@ and TP size T:
 Shapes vLLM refuses (H=6 at T=4, H=3 at T=2, H=6 at T=8) are refused here too
 (`ConfigError`): there is no vLLM page to map them to.
 
-**Writes and reads.** A rank reads every head it holds. A head is written by exactly one
-rank, the first that holds it (`r % replicas == 0`): replicated heads and MLA latents are
-stored once, not T/H times. A block of a group counts as cached for a rank only when every
-unit it needs is present (`units_needed`); a rank never assembles a page from part of its
-heads (a miss: the engine recomputes).
+**Writes and reads** (wired into the connector by `tp_records` / `tp_tier`). The storage tier
+holds **records**: a contiguous head range of one block of one group, units back to back in
+the layer-major order a rank's head-major page already has, so a writer at its own TP size
+stores one record per block and group, as many values as before (for LBHNC pages and one
+head per rank, the host slot's own bytes). A rank reads every head it holds. A head is
+written by exactly one rank, the first that holds it (`r % replicas == 0`): replicated heads
+and MLA latents are stored once, not T/H times. A rank reads its own range's record, else a
+larger record containing it, else smaller ones tiling it (`tp_records.GroupRecords.cover`).
+A block of a group counts as cached for a rank only when every unit it needs is present
+(`units_needed`); a rank never assembles a page from part of its heads (a miss: the engine
+recomputes). The host tier stays per rank (rank pages, in-process).
 
 **The math for the example models** (`kv_offload.testing.example_models`). Units per block
 and group = H (KV heads; MLA: 1). Per TP size: heads per rank (= units it reads), replicas
-per head, and the ranks that write:
+per head, and the ranks that write (one record each per block and group; a reader of
+another TP size reads the records covering its heads):
 
 | model (H) | TP=1 | TP=2 | TP=4 | TP=8 |
 |---|---|---|---|---|
@@ -41,8 +48,10 @@ per head, and the ranks that write:
 | Qwen3-Next, attention (2) | 2; x1; r0 | 1; x1; all | 1; x2; r0, r2 | 1; x4; r0, r4 |
 | Qwen3-Next, GatedDeltaNet | per TP shape | per TP shape | per TP shape | per TP shape |
 
-A Llama-3-8B unit is 32 layers x 16 tokens x 256 values x 2 bytes = 256 KiB: TP=1 writes 8
-per block, TP=8 rank r writes unit r, and a TP=2 rank 1 reads units 4..7. Counts that do not
+A Llama-3-8B unit is 32 layers x 16 tokens x 256 values x 2 bytes = 256 KiB: TP=1 writes one
+record of units 0..7 (2 MiB) per block, TP=8 rank r a record of unit r, and a TP=2 rank 1
+needs units 4..7: its own TP=2 record, else TP=1's record (2 MiB read, half taken), else the
+TP=4 records [4, 6) and [6, 8), else the four TP=8 records. Counts that do not
 divide: 8 heads at TP=16 (ranks 2h and 2h+1 hold head h) or 2 heads at TP=8 are replicated as
 above; 6 heads at TP=4 or 8, or 3 at TP=2, are refused (vLLM refuses them: no such engine).
 

@@ -90,8 +90,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             rank = _worker_rank(parallel)
             self._groups = groups
             self._num_blocks = kv_cache_config.num_blocks
+            engine = fingerprint_extra(vllm_config, kv_cache_config, groups, rank)
             self._worker = OffloadWorker(
-                self.config, rank, fingerprint_extra(vllm_config, kv_cache_config, groups, rank),
+                self.config, rank, engine.shape, tp_share=engine.share,
                 report_storage_copies=kv_events_enabled(vllm_config),
                 engine_pins_threads=current_platform.is_cpu())  # (vLLM's CPU worker pins)
             self._faults = self._worker.faults

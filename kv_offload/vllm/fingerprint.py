@@ -16,7 +16,10 @@ bytes and the keys, and nothing else, so a cache survives what does not change t
   canary: a miss, never wrong bytes. Where vLLM's hashing functions cannot be found (a
   future vLLM moved them), the version is used instead.
 - **The shard.** Tensor and pipeline parallel sizes and this rank decide which heads and
-  layers a page holds.
+  layers a page holds: they are part of a rank's own fingerprint (per-shape groups), while
+  TP-free records (`kv_offload.tp_records`) are namespaced by the same identity without the
+  TP size, the TP rank, the per-rank specs and the page layout (records hold whole heads in
+  an order of their own), keeping the pipeline stage.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
+
+from kv_offload.tp_records import TPShare
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +43,38 @@ SAMPLES_PER_FILE = 16  # spread over each weights file
 SAMPLE_BYTES = 64 * 1024
 
 
-def fingerprint_extra(vllm_config: Any, kv_cache_config: Any, groups: list, rank: int) -> str:
-    """The engine part of the layout fingerprint (see the module docstring)."""
+@dataclass(frozen=True)
+class EngineFingerprint:
+    """`shape`: the engine part of a rank's own layout fingerprint (everything, TP size and
+    rank included: per-shape groups and the host tier). `share`: what the rank needs to
+    read and write TP-free records (`kv_offload.tp_records`), whose namespace leaves out
+    the TP size, the TP rank, the per-rank specs and the page layout."""
+
+    shape: str
+    share: TPShare
+
+
+def fingerprint_extra(vllm_config: Any, kv_cache_config: Any, groups: list,
+                      rank: int) -> EngineFingerprint:
+    """The engine parts of the layout fingerprints (see the module docstring)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel = vllm_config.parallel_config
     weights = weights_identity(model.model, model.revision)
     hf_config = xxhash.xxh3_64_hexdigest(model.hf_config.to_json_string().encode())
-    return "|".join(str(part) for part in (
-        f"weights:{weights}" if weights else f"model:{model.model}@{model.revision}",
-        hf_config, model.dtype, model.quantization,
-        [repr(group.spec) for group in groups], cache.cache_dtype, cache.mamba_cache_dtype,
-        cache.mamba_ssm_cache_dtype, kv_cache_config.kv_cache_layout,
-        f"keys:{hash_scheme_canary(cache.prefix_caching_hash_algo)}",
-        kv_cache_config.hash_block_size,
-        f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}",
-        f"rank{rank}"))
+    tp_size = parallel.tensor_parallel_size
+    common = (f"weights:{weights}" if weights else f"model:{model.model}@{model.revision}",
+              hf_config, model.dtype, model.quantization, cache.cache_dtype,
+              cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype,
+              f"keys:{hash_scheme_canary(cache.prefix_caching_hash_algo)}",
+              kv_cache_config.hash_block_size)
+    shape = "|".join(str(part) for part in (
+        *common, [repr(group.spec) for group in groups], kv_cache_config.kv_cache_layout,
+        f"tp{tp_size}", f"pp{parallel.pipeline_parallel_size}", f"rank{rank}"))
+    # Pipeline stages hold other layers: the stage stays in the shared part.
+    shared = "|".join(str(part) for part in (
+        *common, f"pp{parallel.pipeline_parallel_size}", f"stage{rank // tp_size}"))
+    return EngineFingerprint(shape, TPShare(shared, tp_size, rank % tp_size,
+                                            model.get_total_num_kv_heads()))
 
 
 def hash_scheme_canary(hash_algo: str, *, hash_block_tokens: Callable | None = None) -> str:

@@ -46,6 +46,7 @@ from kv_offload.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import TieredResult
+from kv_offload.tp_records import TPShare, rank_records
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
 from kv_offload.vllm.exit_hook import at_interpreter_exit
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
@@ -54,6 +55,7 @@ from kv_offload.vllm.stats import KVOffloadStats
 from kv_offload.vllm.worker_in_step import InStepLoadsOfWorker
 from kv_offload.vllm.worker_jobs import Job, Outcome, record_outcome
 from kv_offload.vllm.worker_layers import LayerWiseOfWorker
+from kv_offload.vllm.worker_lifecycle import LifecycleOfWorker
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +64,23 @@ REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (in
 # each hold of the lock (and the GIL) short; the engine's calls never wait long for the pump.
 _TAKE_PER_ROUND = 512
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
-FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
 
-class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker):
+class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
-                 copy_timeout_s: float = 30.0, report_storage_copies: bool = False,
+                 tp_share: TPShare | None = None, copy_timeout_s: float = 30.0,
+                 report_storage_copies: bool = False,
                  engine_pins_threads: bool = False) -> None:
         self.config = config
         # KV events announce storage copies too (a report entry per key): only if published.
         self.report_storage_copies = report_storage_copies
         self.engine_pins_threads = engine_pins_threads  # (vLLM's CPU worker: see affinity.py)
         self.rank, self.fingerprint_extra = rank, fingerprint_extra
+        # TP-free records in the storage tier (None: this rank's own namespace, as a tool
+        # or test without a TP identity opens it).
+        self.tp_share = tp_share
         self.copy_timeout_s = copy_timeout_s
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
@@ -108,9 +113,11 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker):
         configuration errors and do raise)."""
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
+        records = None if self.tp_share is None else rank_records(
+            self.canonical, kv_caches, groups, self.tp_share, fingerprint)
         with spread_threads(self.engine_pins_threads):  # off the forward's cores
             self.store = TieredStore.from_config(
-                self.canonical, self.config, fingerprint,
+                self.canonical, self.config, fingerprint, records=records,
                 report_storage_copies=self.report_storage_copies)
             logger.info("kv-offload rank %d: %s", self.rank, self.store.describe())
             self._setup_layers([group.spec for group in groups])
@@ -279,56 +286,6 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker):
         stored before may be served after). O(host keys); no file is touched."""
         with self._lock:
             self.store.reset()
-
-    def suspend(self) -> None:
-        """vLLM is about to unmap engine memory (sleep mode, vLLM >= 0.33): copies out of it
-        end first (past `copy_timeout_s` abandoned), so do loads filling it (bounded alike);
-        until `resume`, loads fail and stores are skipped. Write-through from host memory
-        goes on. Idempotent."""
-        with self._lock:
-            self._suspended = True
-        self.wait_for_engine_copies()
-        with self._lock:
-            if not self._drive_until(lambda: not self._loads_in_flight, self.copy_timeout_s):
-                self.faults.failed("sleep", f"{self._loads_in_flight} load(s) still filling "
-                                   f"engine memory after {self.copy_timeout_s} s")
-
-    def resume(self) -> None:
-        """Engine memory is mapped again: loads and stores run again (the tiers kept their
-        KV: hits after a wake-up are served from them). Idempotent."""
-        with self._lock:
-            self._suspended = False
-
-    def shutdown(self) -> None:
-        """Finish write-through, then stop. Never raises."""
-        if self.store is None:
-            return
-        if self._pump is not None:
-            self._pump.stop()
-        with self._lock:
-            try:
-                if not self.store.flush(FLUSH_TIMEOUT_S):
-                    logger.warning("kv-offload rank %d: write-through did not finish before "
-                                   "shutdown; unfinished keys are misses", self.rank)
-                self.store.close()
-            except Exception:  # never fail vLLM's shutdown: unfinished files are just misses
-                logger.exception("kv-offload rank %d: shutdown of the tiers failed", self.rank)
-        self.store = None
-
-    def _flush_at_exit(self) -> None:
-        """The interpreter is exiting (an offline `LLM` script ended without shutting vLLM
-        down; vLLM then shuts the engine down from a finalizer, after Python has stopped
-        every thread pool: the tiers could no longer write). Finish write-through now;
-        vLLM's shutdown, if it comes, finds nothing left to write. Never raises."""
-        with self._lock:
-            if self.store is None:
-                return
-            try:
-                if not self.store.flush(FLUSH_TIMEOUT_S):
-                    logger.warning("kv-offload rank %d: write-through did not finish before "
-                                   "the process exit; unfinished keys are misses", self.rank)
-            except Exception:
-                logger.exception("kv-offload rank %d: write-through at exit failed", self.rank)
 
     # --- internals ---
 

@@ -14,6 +14,7 @@ from vllm.v1 import kv_cache_interface as vkv  # noqa: E402
 
 from kv_offload.testing.tiny_models import build_llama  # noqa: E402
 from kv_offload.vllm.fingerprint import (  # noqa: E402
+    EngineFingerprint,
     fingerprint_extra,
     hash_scheme_canary,
     weights_identity,
@@ -88,9 +89,14 @@ def test_a_model_without_local_weights_is_identified_by_name():
 
 
 def engine_part(model: str, rank: int = 0, **cache) -> str:
+    return engine_parts(model, rank, **cache).shape
+
+
+def engine_parts(model: str, rank: int = 0, tp_size: int = 1, **cache) -> EngineFingerprint:
     config = VllmConfig(model_config=ModelConfig(model=model),
                         cache_config=CacheConfig(**cache),
                         parallel_config=ParallelConfig())
+    config.parallel_config.tensor_parallel_size = tp_size  # (no devices to check here)
     spec = vkv.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32,
                                  dtype=config.model_config.dtype)
     kv_cache_config = vkv.KVCacheConfig(
@@ -108,3 +114,15 @@ def test_the_engine_part_names_weights_and_key_scheme_not_the_path_or_the_versio
     assert engine_part(str(model_dir), prefix_caching_hash_algo="sha256_cbor") != part
     build_llama(model_dir, seed=1)
     assert engine_part(str(model_dir)) != part
+
+
+def test_the_shared_part_drops_the_tp_size_and_rank_and_keeps_the_model(model_dir):
+    ranks = [engine_parts(str(model_dir), rank, tp) for tp in (1, 2) for rank in range(tp)]
+    assert len({p.shape for p in ranks}) == 3  # a rank's own pages: per shape
+    assert len({p.share.shared_extra for p in ranks}) == 1  # records: one namespace
+    assert [(p.share.tp_size, p.share.tp_rank) for p in ranks] == [(1, 0), (2, 0), (2, 1)]
+    assert ranks[0].share.total_kv_heads == ranks[2].share.total_kv_heads >= 1
+    assert engine_parts(str(model_dir), prefix_caching_hash_algo="sha256_cbor") \
+        .share.shared_extra != ranks[0].share.shared_extra
+    build_llama(model_dir, seed=1)  # other weights: another namespace
+    assert engine_parts(str(model_dir)).share.shared_extra != ranks[0].share.shared_extra

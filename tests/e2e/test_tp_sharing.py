@@ -1,0 +1,79 @@
+"""One cache for TP=1 and TP=2 on the real vLLM CPU engine: a prefix stored by a TP=2 engine
+is served to a TP=1 engine through the disk tier, and one stored by a TP=1 engine is served
+to a TP=2 engine through a shared Valkey server.
+
+Four engine processes (the tiny Llama-like model, 2 KV heads: a TP=2 rank holds one):
+- the TP=2 writer computes the prompts (disk tier), then is served them by vLLM's own cache:
+  the TP=2 references;
+- the TP=1 writer does the same with the Valkey tier: the TP=1 references;
+- a fresh TP=1 engine over the TP=2 writer's directory (its host tier empty, so every
+  token it reports cached came from records that two TP=2 ranks wrote, one head each), and
+- a fresh TP=2 engine over the TP=1 writer's Valkey prefix (each rank takes its head out of
+  the one record the TP=1 rank wrote)
+must report the whole prefix cached and generate the tokens of recompute at their own TP
+size. The logprobs cannot be bit-identical to vLLM's own cache at the reader's TP size: the
+prefix KV itself was computed at the other TP size (its all-reduces round differently in
+bf16: the two TP sizes' own outputs differ by up to ~0.13 in a top-5 logprob here, and their
+top-5 sets differ). So every generated position's top-5 logprobs must be within
+`LOGPROB_TOLERANCE` of vLLM's own cache at the reader's TP size (measured: 0.004), an order
+of magnitude inside the gap between the TP sizes themselves, which the test also checks;
+wrong heads or misplaced bytes change tokens (the byte-exact proof is the unit tests').
+Runs in 3 minutes here on a quiet machine (two TP=2 engines, multiprocess), 6 to 10 under
+the load of other developers' jobs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from engine_harness import run_engine, token_ids
+from test_connector import PROMPTS, cached, connector_config, full_prefixes, outputs, spec
+from test_shared_valkey import shared_config, valkey_url  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.e2e
+
+LOGPROB_TOLERANCE = 0.02
+TP2 = {"engine_args": {"tensor_parallel_size": 2}, "multiprocess": True,
+       "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "timeout_s": 600}
+
+
+def engine(model, tmp_path, name: str, passes, config, tp: int):
+    extra = TP2 if tp == 2 else {"engine_args": {}}
+    run_spec = spec(model, passes, config, engine_args=extra["engine_args"])
+    kwargs = {k: v for k, v in extra.items() if k != "engine_args"}
+    return run_engine(run_spec, tmp_path / name, **kwargs)
+
+
+def test_a_prefix_crosses_tp_sizes_through_disk_and_valkey(tiny_models, tmp_path,
+                                                            valkey_url):  # noqa: F811
+    model, disk = tiny_models["llama"], connector_config(tmp_path / "kv")
+    valkey = shared_config(valkey_url, "64MiB")
+    valkey["kv_connector_extra_config"]["storage_options"]["key_prefix"] = \
+        f"e2e-tp-{os.getpid()}:"
+    w2 = engine(model, tmp_path, "w2", [{}, {}], disk, tp=2)
+    w1 = engine(model, tmp_path, "w1", [{}, {}], valkey, tp=1)
+    r1 = engine(model, tmp_path, "r1", [{}], disk, tp=1)  # TP=2 -> TP=1 through disk
+    r2 = engine(model, tmp_path, "r2", [{}], valkey, tp=2)  # TP=1 -> TP=2 through Valkey
+
+    tp_gap = deviation(w1["passes"][0], w2["passes"][0])
+    assert tp_gap > 5 * LOGPROB_TOLERANCE  # (else this model would not tell TP sizes apart)
+    for writer, (reader,) in ((w1, r1["passes"]), (w2, r2["passes"])):
+        computed, engine_cached = writer["passes"]
+        assert cached(computed) == [0] * len(PROMPTS)
+        assert cached(reader) == full_prefixes(reader) == cached(engine_cached)  # all hit
+        assert token_ids(reader) == token_ids(computed) == token_ids(engine_cached)
+        assert deviation(reader, engine_cached) <= LOGPROB_TOLERANCE
+    for name in ("r1", "r2"):
+        assert "will be recomputed" not in (tmp_path / name / "engine.log").read_text()
+
+
+def deviation(a: dict, b: dict) -> float:
+    """The largest difference of a top-5 logprob of a token both passes list, over every
+    generated position of every request."""
+    worst = 0.0
+    for (_, steps_a), (_, steps_b) in zip(outputs(a), outputs(b), strict=True):
+        for top_a, top_b in zip(steps_a, steps_b, strict=True):
+            for token in top_a.keys() & top_b.keys():
+                worst = max(worst, abs(top_a[token] - top_b[token]))
+    return worst
