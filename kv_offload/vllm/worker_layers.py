@@ -47,20 +47,18 @@ class LayerWiseOfWorker:
         self._store_steps: LayerSteps | None = None  # this step's store, cut per layer
         self._store_step = -1  # the plan step of `_store_steps`
 
-    def _setup_layers(self, specs: Sequence[KVCacheSpec]) -> None:
-        """At `register`: whether loads and stores go layer-wise on this rank, and why not."""
+    def _setup_layers(self, specs: Sequence[KVCacheSpec]) -> str:
+        """At `register`: whether loads and stores go layer-wise on this rank; says which
+        and why not, for the rank's one start-up line."""
         copier = self.store.cpu.layer_copier
         refusal = "turned off (layer_wise: false)" if not self.config.layer_wise else \
             layer_cut_refusal(self.canonical, specs) or \
             ("GPU copies are not cut per layer yet" if copier is None else None)
         self.layer_wise = refusal is None
-        if self.layer_wise:
-            self._layer_index = {name: i for i, name in enumerate(copier.layer_names)}
-            logger.info("kv-offload rank %d: layer-wise in-step loads and stores (%d layers)",
-                        self.rank, len(self._layer_index))
-        else:
-            logger.info("kv-offload rank %d: whole-step loads and stores: %s", self.rank,
-                        refusal)
+        if not self.layer_wise:
+            return f"whole-step loads and stores: {refusal}"
+        self._layer_index = {name: i for i, name in enumerate(copier.layer_names)}
+        return f"layer-wise in-step loads and stores ({len(self._layer_index)} layers)"
 
     def _layer_steps_for_load(self) -> LayerSteps | None:
         return LayerSteps.for_load(len(self._layer_index)) if self.layer_wise else None

@@ -119,8 +119,8 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint, records=records,
                 report_storage_copies=self.report_storage_copies)
-            logger.info("kv-offload rank %d: %s", self.rank, self.store.describe())
-            self._setup_layers([group.spec for group in groups])
+            copies = self._setup_layers([group.spec for group in groups])
+            logger.info("kv-offload rank %d: %s; %s", self.rank, self.store.describe(), copies)
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
                               f"kv-offload-pump-{self.rank}")
             self._pump.start()

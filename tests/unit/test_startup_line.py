@@ -25,7 +25,8 @@ def test_each_rank_logs_its_tiers_sizes_directory_and_policy_once(tmp_path, capl
     else:
         assert "storage tier: none" in lines[0]
     assert lines[0].endswith("records unauthenticated (no secret_file: every writer of the "
-                             "store is trusted, xxh3_64)")
+                             "store is trusted, xxh3_64); whole-step loads and stores: "
+                             "turned off (layer_wise: false)")
 
 
 def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_path, caplog):
@@ -48,4 +49,4 @@ def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_
         worker.shutdown()
         line = next(r.getMessage() for r in caplog.records
                     if r.getMessage().startswith("kv-offload rank 0:"))
-        assert line.endswith(expected) and "s" * 32 not in line
+        assert f"{expected}; whole-step loads and stores" in line and "s" * 32 not in line
