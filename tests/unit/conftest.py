@@ -105,3 +105,12 @@ def shared_tier_options(backend: str, request: pytest.FixtureRequest, stem: str)
     server = request.getfixturevalue("s3_server")
     return {"bucket": make_bucket(server.endpoint_url), "bytes_to_use": "64MiB",
             "endpoint_url": server.endpoint_url, "refresh_interval_s": 0}
+
+
+@pytest.fixture
+def workers():
+    """Worker sides a test appends here are shut down after it (their threads stop)."""
+    started: list = []
+    yield started
+    for worker in started:
+        worker.shutdown()

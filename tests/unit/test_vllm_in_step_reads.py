@@ -24,14 +24,6 @@ from kv_offload.config import parse_config  # noqa: E402
 from kv_offload.errors import ConfigError  # noqa: E402
 
 
-@pytest.fixture
-def workers():
-    started = []  # every worker started is shut down after the test
-    yield started
-    for worker in started:
-        worker.shutdown()
-
-
 def _on_disk_only(workers, tmp_path, salt: bytes):
     """A rank whose disk holds 4 blocks another process stored; the engine forgot them."""
     engine = Engine()

@@ -61,14 +61,6 @@ def start(engine: Engine, cls=OffloadWorker, **config) -> OffloadWorker:
     return worker
 
 
-@pytest.fixture
-def workers():
-    started: list[OffloadWorker] = []
-    yield started
-    for worker in started:
-        worker.shutdown()
-
-
 def stored_then_zeroed(engine: Engine, worker: OffloadWorker) -> list[list[torch.Tensor]]:
     """Blocks 1..3 stored under HASHES (whole-step), the load's targets zeroed: the bytes
     each target block must hold per layer once loaded."""

@@ -64,14 +64,6 @@ def make_worker(engine: Engine, tmp_path: Path | None = None, rank: int = 0) -> 
     return worker
 
 
-@pytest.fixture
-def workers():
-    started: list[OffloadWorker] = []
-    yield started
-    for worker in started:
-        worker.shutdown()
-
-
 def store(worker: OffloadWorker, stores) -> None:
     worker.start_stores(stores)
     worker.wait_for_engine_copies(timeout_s=WAIT_S)
