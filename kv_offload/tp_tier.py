@@ -20,6 +20,13 @@ TP-free records (`tp_records`) to the tier below:
   record change, so `take_changes` stays bounded). So `TieredStore`, the scheduler's per-rank
   key sets, hits and KV events keep working per block: a block counts as stored on a rank
   when every head it needs is.
+- **copies** (a record that is not the slot's bytes: NHD pages, a part of a larger record):
+  handed to the tier below as `base.Repack` values (`_RecordCopy`). The filesystem tier
+  packs and unpacks them on its I/O threads, in one buffer per thread that it keeps (memory:
+  `io_threads` x the largest record; the copies overlap other keys' I/O, as the copy-free
+  path's transfers do, and no page is first touched per record). A tier that takes
+  buffers only (the default hook returns None) gets buffers of ours (`_Buffers`), packed at
+  submit and unpacked at `poll`, `SPARE_BUFFER_BYTES` of them kept for reuse.
 
 Driven by one thread at a time, like the tier below (the connector's worker lock).
 """
