@@ -20,6 +20,13 @@ TP-free records (`tp_records`) to the tier below:
   record change, so `take_changes` stays bounded). So `TieredStore`, the scheduler's per-rank
   key sets, hits and KV events keep working per block: a block counts as stored on a rank
   when every head it needs is.
+- **copies** (a record that is not the slot's bytes: NHD pages, a part of a larger record):
+  handed to the tier below as `base.Repack` values (`_RecordCopy`). The filesystem tier
+  packs and unpacks them on its I/O threads, in one buffer per thread that it keeps (memory:
+  `io_threads` x the largest record; the copies overlap other keys' I/O, as the copy-free
+  path's transfers do, and no page is first touched per record). A tier that takes
+  buffers only (the default hook returns None) gets buffers of ours (`_Buffers`), packed at
+  submit and unpacked at `poll`, `SPARE_BUFFER_BYTES` of them kept for reuse.
 
 Driven by one thread at a time, like the tier below (the connector's worker lock).
 """
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_offload.backends.base import (
+    Repack,
     StorageTier,
     TierChanges,
     TierJobResult,
@@ -44,11 +52,11 @@ from kv_offload.tp_records import CoverPart, GroupRecords, RankRecords, aligned_
 
 @dataclass
 class _KeyPlan:
-    """One rank key of a job: the positions of its inner keys and, for a read that is not
-    straight into the slot, the records to unpack (part, inner position, buffer)."""
+    """One rank key of a job: the positions of its inner keys, and the records it unpacks
+    here (a tier that takes buffers only: record, buffer it was read into)."""
 
     inner: list[int] = field(default_factory=list)
-    unpack: list[tuple[CoverPart, int, torch.Tensor]] = field(default_factory=list)
+    unpack: list[tuple[_RecordCopy, torch.Tensor]] = field(default_factory=list)
     record_bits: list[int] = field(default_factory=list)  # candidates this key read
     written_bit: bool = False  # a write of the own record: mark it present on success
 
@@ -57,19 +65,64 @@ class _KeyPlan:
 class _Job:
     job_id: int
     keys: tuple[bytes, ...]
-    buffers: Sequence[torch.Tensor]
-    plans: list[_KeyPlan | None]  # None: failed (or skipped, `skipped_ok`) without I/O
-    skipped_ok: list[bool]
+    plans: list[_KeyPlan | None] = field(default_factory=list)  # None: no I/O (failed, or
+    skipped_ok: list[bool] = field(default_factory=list)        # skipped: `skipped_ok`)
     temps: list[torch.Tensor] = field(default_factory=list)  # kept alive until the job ends
+
+
+@dataclass
+class _Entry:
+    """One rank key of a request: its slot buffer, group and records (None: per shape)."""
+
+    key: bytes
+    buffer: torch.Tensor
+    group: int | None  # None: not a group of this model
+    recs: GroupRecords | None
+
+
+@dataclass
+class _Inner:
+    """The request to the tier below: keys, values, and the plan each value belongs to."""
+
+    keys: list[bytes] = field(default_factory=list)
+    values: list[torch.Tensor | Repack] = field(default_factory=list)
+    owners: list[_KeyPlan] = field(default_factory=list)
+
+    def add(self, plan: _KeyPlan, key: bytes, value: torch.Tensor | Repack) -> None:
+        plan.inner.append(len(self.keys))
+        self.keys.append(key)
+        self.values.append(value)
+        self.owners.append(plan)
+
+
+@dataclass
+class _RecordCopy(Repack):
+    """A record of `part.record` packed from (this rank's own) or unpacked into (heads
+    `part.take`) a host slot: by the tier below on its I/O thread, or here (`_Buffers`)."""
+
+    recs: GroupRecords
+    part: CoverPart
+    slot: torch.Tensor  # the host slot buffer, int8
+
+    @property
+    def nbytes(self) -> int:
+        return self.recs.record_bytes(self.part.record)
+
+    def pack(self, out: torch.Tensor) -> None:
+        self.recs.pack(self.slot, out.view(torch.int8))
+
+    def unpack(self, stored: torch.Tensor) -> None:
+        self.recs.unpack(stored.view(torch.int8), self.part, self.slot)
 
 
 SPARE_BUFFER_BYTES = 64 << 20  # record buffers kept for reuse (fresh pages fault on first touch)
 
 
 class _Buffers:
-    """Record buffers for packed writes and whole-record reads, reused by size: a fresh
-    allocation of a few MiB is fresh pages that the kernel zeroes on first touch, which cost
-    more than the copy into them. Keeps at most `SPARE_BUFFER_BYTES` spare."""
+    """Record buffers for a tier that takes buffers only (no `Repack`s): packed writes and
+    whole-record reads, reused by size: a fresh allocation of a few MiB is fresh pages that
+    the kernel zeroes on first touch, which cost more than the copy into them. Keeps at
+    most `SPARE_BUFFER_BYTES` spare."""
 
     def __init__(self) -> None:
         self._spare: dict[int, list[torch.Tensor]] = {}
@@ -158,73 +211,88 @@ class TPRecordTier(StorageTier):
 
     # --- jobs ---
 
-    def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+    def _open(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]
+              ) -> tuple[_Job, list[_Entry]]:
+        """A job for a request of rank keys, and its keys with their groups and records."""
         check_tier_request(keys, buffers)
-        job = _Job(next(self._ids), tuple(keys), buffers, [], [])
-        inner_keys, inner_buffers = [], []
+        entries = []
         for key, buffer in zip(keys, buffers):
             group = self.records.group_of(key)
             recs = None if group is None else self.records.groups[group]
-            plan = _KeyPlan()
-            if group is None:
+            entries.append(_Entry(key, buffer, group, recs))
+        return _Job(next(self._ids), tuple(keys)), entries
+
+    def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
+        job, entries = self._open(keys, buffers)
+        inner = _Inner()
+        for e in entries:
+            plan: _KeyPlan | None = _KeyPlan()
+            if e.group is None:
                 plan = None
-            elif recs is None:
-                plan.inner.append(len(inner_keys))
-                inner_keys.append(self.records.shape_key(key))
-                inner_buffers.append(buffer)
-            elif recs.shard.writes:
-                record = buffer if recs.identity else \
-                    self._buffers.take(recs.record_bytes(recs.own))
-                if not recs.identity:
-                    recs.pack(buffer.view(torch.int8), record)
-                    job.temps.append(record)
-                plan.inner.append(len(inner_keys))
+            elif e.recs is None:
+                inner.add(plan, self.records.shape_key(e.key), e.buffer)
+            elif e.recs.shard.writes:
+                own = e.recs.own
+                record = e.buffer if e.recs.identity else \
+                    _RecordCopy(e.recs, CoverPart(own, own), e.buffer.view(torch.int8))
                 plan.written_bit = True
-                inner_keys.append(self.records.record_key(key, recs.own))
-                inner_buffers.append(record)
+                inner.add(plan, self.records.record_key(e.key, own), record)
             else:  # another replica writes these heads
                 plan = None
             job.plans.append(plan)
-            job.skipped_ok.append(group is not None)
-        return self._submit(job, inner_keys, inner_buffers, self.inner.submit_write)
+            job.skipped_ok.append(e.group is not None)
+        return self._submit(job, inner, write=True)
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
-        check_tier_request(keys, buffers)
-        job = _Job(next(self._ids), tuple(keys), buffers, [], [])
-        inner_keys, inner_buffers = [], []
-        for key, buffer in zip(keys, buffers):
-            group = self.records.group_of(key)
-            recs = None if group is None else self.records.groups[group]
-            cover = None if recs is None else self._cover(group, self._present.get(key, 0))
-            plan = _KeyPlan()
-            if group is None or (recs is not None and cover is None):
+        job, entries = self._open(keys, buffers)
+        inner = _Inner()
+        for e in entries:
+            recs = e.recs
+            cover = None if recs is None else self._cover(e.group, self._present.get(e.key, 0))
+            plan: _KeyPlan | None = _KeyPlan()
+            if e.group is None or (recs is not None and cover is None):
                 plan = None  # not ours / not covered: a miss without I/O
             elif recs is None:
-                plan.inner.append(len(inner_keys))
-                inner_keys.append(self.records.shape_key(key))
-                inner_buffers.append(buffer)
+                inner.add(plan, self.records.shape_key(e.key), e.buffer)
             else:
                 for part in cover:
-                    plan.inner.append(len(inner_keys))
                     plan.record_bits.append(recs.candidates.index(part.record))
-                    inner_keys.append(self.records.record_key(key, part.record))
-                    if recs.identity and part.record == part.take == recs.own:
-                        inner_buffers.append(buffer)  # straight into the slot
-                        continue
-                    temp = self._buffers.take(recs.record_bytes(part.record))
-                    job.temps.append(temp)
-                    plan.unpack.append((part, len(inner_buffers), temp))
-                    inner_buffers.append(temp)
+                    straight = recs.identity and part.record == part.take == recs.own
+                    inner.add(plan, self.records.record_key(e.key, part.record),
+                              e.buffer if straight else  # straight into the slot
+                              _RecordCopy(recs, part, e.buffer.view(torch.int8)))
             job.plans.append(plan)
             job.skipped_ok.append(False)
-        return self._submit(job, inner_keys, inner_buffers, self.inner.submit_read)
+        return self._submit(job, inner, write=False)
 
-    def _submit(self, job: _Job, inner_keys, inner_buffers, submit) -> int:
-        if not inner_keys:  # nothing to do below: the result is known now
+    def _submit(self, job: _Job, inner: _Inner, write: bool) -> int:
+        if not inner.keys:  # nothing to do below: the result is known now
             self._done.append(TierJobResult(job.job_id, job.keys, tuple(job.skipped_ok)))
             return job.job_id
-        self._jobs[submit(inner_keys, inner_buffers)] = job
+        below = self.inner
+        inner_id = None
+        if any(isinstance(v, _RecordCopy) for v in inner.values):  # copied by the tier's
+            inner_id = (below.submit_write_repacked if write else  # I/O threads, if it can
+                        below.submit_read_repacked)(inner.keys, inner.values)
+        if inner_id is None:
+            values = [v if not isinstance(v, _RecordCopy) else self._copy_here(job, v, plan,
+                                                                              write)
+                      for v, plan in zip(inner.values, inner.owners)]
+            inner_id = (below.submit_write if write else below.submit_read)(inner.keys, values)
+        self._jobs[inner_id] = job
         return job.job_id
+
+    def _copy_here(self, job: _Job, record: _RecordCopy, plan: _KeyPlan,
+                   write: bool) -> torch.Tensor:
+        """A buffer of ours for a record the tier below cannot repack: packed now (a
+        write), or unpacked when the key's records all arrived (a read, `_finish`)."""
+        buffer = self._buffers.take(record.nbytes)
+        job.temps.append(buffer)
+        if write:
+            record.pack(buffer)
+        else:
+            plan.unpack.append((record, buffer))
+        return buffer
 
     def poll(self) -> list[TierJobResult]:
         for result in self.inner.poll():
@@ -236,23 +304,19 @@ class TPRecordTier(StorageTier):
 
     def _finish(self, job: _Job, succeeded: Sequence[bool]) -> TierJobResult:
         flags = []
-        for key, buffer, plan, skipped_ok in zip(job.keys, job.buffers, job.plans,
-                                                 job.skipped_ok):
+        for key, plan, skipped_ok in zip(job.keys, job.plans, job.skipped_ok):
             if plan is None:
                 flags.append(skipped_ok)
                 continue
             ok = all(succeeded[i] for i in plan.inner)
-            group = self.records.group_of(key)
-            recs: GroupRecords | None = self.records.groups[group]
             if plan.written_bit and ok:
                 self._set_bit(key, 0, True)
             for bit, i in zip(plan.record_bits, plan.inner):
                 if not succeeded[i]:  # vanished or bad: no longer counted present
                     self._set_bit(key, bit, False)
-            if ok and plan.unpack:
-                target = buffer.view(torch.int8)
-                for part, _, temp in plan.unpack:
-                    recs.unpack(temp, part, target)
+            if ok:
+                for record, temp in plan.unpack:
+                    record.unpack(temp)
             flags.append(ok)
         self._buffers.give(job.temps)  # (the tier below is done with them)
         return TierJobResult(job.job_id, job.keys, tuple(flags))

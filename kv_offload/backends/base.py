@@ -3,11 +3,15 @@
 Contents:
 - `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close),
   optional hooks with working defaults (take_changes, keys, clear, stats, discard,
-  read_generation, write_generation): callers never probe,
+  read_generation, write_generation, submit_write_repacked, submit_read_repacked): callers
+  never probe,
   and two classmethods that build a tier from the connector config (check_options,
   from_options; by default the options are the constructor's keyword arguments).
 - `TierJobResult`, `TierChanges`, `TierStats`: what a tier hands back.
+- `Repack`: a value stored in another byte order than its host buffer's (a TP-free record
+  of a token-major page): a tier that takes them packs and unpacks on its I/O threads.
 - `check_tier_keys`, `check_tier_request`: the argument checks every tier shares;
+  `value_bytes`: the size of a buffer or `Repack`;
   `check_constructor_options`: the default check of `storage_options`.
 
 Built-in tiers are registered by name in `kv_offload.backends` and imported lazily.
@@ -53,6 +57,31 @@ class TierJobResult:
     def failed_keys(self) -> tuple[bytes, ...]:
         """The keys that failed (a read left their buffer undefined; a write stored nothing)."""
         return tuple(k for k, ok in zip(self.keys, self.succeeded) if not ok)
+
+
+class Repack(ABC):
+    """A value whose stored bytes (`nbytes`) are a rearrangement of part of a host buffer
+    (`tp_tier`: the KV-head record of a token-major page). A tier that takes repacked
+    values moves the stored bytes through a buffer of its own, reused across keys (the
+    filesystem tier: one per I/O thread), and calls `pack` before writing and `unpack`
+    after a verified read on the thread that does the key's I/O: the copies run beside
+    other keys' I/O, and no buffer is allocated per key. Both may run on several threads
+    at once (for different values)."""
+
+    nbytes: int
+
+    @abstractmethod
+    def pack(self, out: torch.Tensor) -> None:
+        """Fill `out` (`nbytes`, int8/uint8) with the bytes to store."""
+
+    @abstractmethod
+    def unpack(self, stored: torch.Tensor) -> None:
+        """Copy verified stored bytes (`nbytes`, int8/uint8) into the host buffer."""
+
+
+def value_bytes(value: torch.Tensor | Repack) -> int:
+    """How many bytes a value of a (repacked) request stores."""
+    return value.nbytes if isinstance(value, Repack) else value.numel()
 
 
 @dataclass(frozen=True)
@@ -166,6 +195,20 @@ class StorageTier(ABC):
         again, which the caller warns about)."""
         return False
 
+    def submit_write_repacked(self, keys: Sequence[bytes],
+                              values: Sequence[torch.Tensor | Repack]) -> int | None:
+        """As `submit_write`, where a value may be a `Repack` that the tier packs into a
+        buffer of its own when it writes the key. None (the default): this tier takes
+        buffers only; the caller packs into buffers and calls `submit_write`."""
+        return None
+
+    def submit_read_repacked(self, keys: Sequence[bytes],
+                             values: Sequence[torch.Tensor | Repack]) -> int | None:
+        """As `submit_read`, where a value may be a `Repack` that the tier reads into a
+        buffer of its own and unpacks once the bytes are verified (a failed key may have
+        unpacked nothing, or part). None (the default): as `submit_write_repacked`."""
+        return None
+
     # -- construction from the connector config (`storage_tier`, `storage_options`) --
 
     @classmethod
@@ -219,14 +262,15 @@ def check_tier_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) 
 
 def check_tier_request(
     keys: Sequence[bytes],
-    buffers: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor | Repack],
     *,
     max_key_bytes: int | None = None,
+    repacks: bool = False,
 ) -> None:
     """Raise ``TierRequestError`` unless keys and buffers form a valid tier request.
 
     Valid: as many buffers as keys, no key twice, every buffer a non-empty contiguous 1-D
-    uint8/int8 CPU tensor.
+    uint8/int8 CPU tensor (or, with ``repacks``, a `Repack` of at least one byte).
     """
     if len(keys) != len(buffers):
         raise TierRequestError(
@@ -238,6 +282,11 @@ def check_tier_request(
         dup = next(k for k in keys if k in seen or seen.add(k))
         raise TierRequestError(f"key {dup.hex()} appears twice in one request")
     for key, buf in zip(keys, buffers):
+        if repacks and isinstance(buf, Repack):
+            if buf.nbytes <= 0:
+                raise TierRequestError(f"value for key {key.hex()} repacks {buf.nbytes} "
+                                       f"bytes; expected at least one")
+            continue
         problem = _host_buffer_problem(buf)
         if problem:
             raise TierRequestError(

@@ -11,8 +11,9 @@ import time
 
 import pytest
 import torch
-from tier_helpers import chunk, read, temp_files, write
+from tier_helpers import chunk, read, temp_files, wait, write
 
+from kv_offload.backends.base import Repack
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.backends.filesystem.fileformat import data_offset, temp_file_name
 from kv_offload.errors import ConfigError, TierRequestError, TierRootError
@@ -191,3 +192,40 @@ def test_bad_config_values_are_named(tmp_path, field, value, message):
     args[field] = value
     with pytest.raises(ConfigError, match=message):
         FilesystemTierConfig(**args)
+
+
+class Reversed(Repack):
+    """A value stored back to front: what a repacking tier writes is `pack`'s output."""
+
+    def __init__(self, host: torch.Tensor, fail_unpack: bool = False) -> None:
+        self.host, self.nbytes, self.fail_unpack = host, host.numel(), fail_unpack
+
+    def pack(self, out: torch.Tensor) -> None:
+        out.copy_(self.host.flip(0))
+
+    def unpack(self, stored: torch.Tensor) -> None:
+        if self.fail_unpack:
+            raise RuntimeError("unpack failed")
+        self.host.copy_(stored.flip(0))
+
+
+def test_repacked_values_are_stored_as_packed_and_read_back_unpacked(tmp_path):
+    tier = make_tier(tmp_path, io_threads=2)
+    chunks = [chunk(i, SIZE) for i in range(6)]
+    keys = [k for k, _ in chunks]
+    job = tier.submit_write_repacked(keys[:5], [Reversed(d.clone()) for _, d in chunks[:5]])
+    assert wait(tier, [job])[job].ok
+    assert write(tier, keys[5:], [chunks[5][1]]).ok  # a plain value beside them
+    out = torch.empty(SIZE, dtype=torch.uint8)  # a plain read sees the stored (packed) bytes
+    assert read(tier, [keys[0]], [out]).ok and torch.equal(out, chunks[0][1].flip(0))
+    outs = [torch.zeros(SIZE, dtype=torch.uint8) for _ in chunks]
+    job = tier.submit_read_repacked(keys, [*map(Reversed, outs[:5]), outs[5]])
+    assert wait(tier, [job])[job].ok
+    assert all(torch.equal(o, d) for o, (_, d) in zip(outs, chunks))
+    job = tier.submit_read_repacked(keys[:1], [Reversed(outs[0], fail_unpack=True)])
+    assert wait(tier, [job])[job].succeeded == (False,)  # a failing unpack fails its key
+    with pytest.raises(TierRequestError, match="repacks 0 bytes"):
+        tier.submit_write_repacked([b"k"], [Reversed(torch.empty(0, dtype=torch.uint8))])
+    with pytest.raises(TierRequestError, match="got Reversed"):  # plain submits take buffers
+        tier.submit_write([b"k"], [Reversed(outs[0])])
+    tier.close()

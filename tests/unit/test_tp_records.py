@@ -28,10 +28,13 @@ from test_tp_pages_property import (
     oracle_fill,
 )
 
+from kv_offload import tp_tier
 from kv_offload.backends.base import TierChanges
 from kv_offload.backends.example import DictTier
+from kv_offload.backends.filesystem import io_engine
+from kv_offload.canonical import canonicalize
 from kv_offload.config import parse_config
-from kv_offload.testing.example_models import group_layers
+from kv_offload.testing.example_models import build_example, group_layers
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tp_records import TPShare, rank_records
 from kv_offload.types import Location
@@ -209,3 +212,47 @@ def test_a_model_with_other_weights_is_never_served(tmp_path):
         store = open_rank(r, fs(tmp_path), weights="weights-B")
         assert visible(store, r, {(0, 0), (0, 1)}, set()) == set()
         store.close()
+
+
+def test_nhd_records_move_through_one_buffer_per_io_thread_however_many_blocks(tmp_path,
+                                                                             monkeypatch):
+    # An NHD (LBNHC) page is packed into its record and unpacked from it by the filesystem
+    # tier's I/O threads, each in a buffer of its own that it keeps: jobs of more records
+    # than threads allocate no record buffer per record (fresh pages: first-touch faults).
+    allocated = []
+    for module, name in ((io_engine, "aligned_host_buffer"), (tp_tier, "aligned_buffer")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda n, real=real: allocated.append(n) or real(n))
+    blocks, jobs, threads = 12, 3, 2
+    model = build_example("llama-8b", blocks, layout="LBNHC", tp_size=4)  # 2 heads a rank
+    model.buffer.copy_(torch.randint(-128, 128, model.buffer.shape, dtype=torch.int8))
+    stored = model.buffer.clone()
+    canonical = canonicalize(model.kv_caches, model.groups, blocks)
+    shape_fp = layout_fingerprint(canonical, "weights|tp4|rank0")
+    records = rank_records(canonical, model.kv_caches, model.groups,
+                           TPShare("weights", 4, 0, 8), shape_fp)
+    config = parse_config({"cpu_bytes_to_use": blocks * canonical.slot_bytes_per_block(0),
+                           "storage_tier": "filesystem", "storage_options": {
+                               "root_dir": str(tmp_path), "bytes_to_use": "1GiB",
+                               "io_threads": threads}})
+    hashes = [i.to_bytes(8, "little") for i in range(blocks)]
+    per_job = blocks // jobs  # (more records than I/O threads in every job)
+    for op in ("store", "load"):
+        store = TieredStore.from_config(canonical, config, shape_fp, records=records)
+        if op == "load":
+            model.buffer.zero_()
+            want = [(h, 0) for h in hashes]
+            deadline = time.monotonic() + 10
+            while store.lookup(want) != [Location.STORAGE] * blocks:
+                assert time.monotonic() < deadline, "the stored blocks never showed"
+                store.poll()
+        del allocated[:]
+        for j in range(0, blocks, per_job):
+            part = {0: (hashes[j:j + per_job], list(range(j, j + per_job)))}
+            submit = store.submit_store if op == "store" else store.submit_load
+            [result] = store.wait([submit(part)])
+            assert result.success
+        assert store.flush()
+        assert len(allocated) <= threads, f"{op}: {len(allocated)} record buffers allocated"
+        store.close()
+    assert torch.equal(model.buffer, stored)

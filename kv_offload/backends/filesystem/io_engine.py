@@ -75,6 +75,19 @@ class _Scratch(threading.local):
         return memoryview(self.map)
 
 
+class ValueScratch(threading.local):
+    """A per-thread aligned buffer for repacked values (`base.Repack`): grown to the largest
+    value the thread has moved and kept, so at most one per I/O thread is ever allocated
+    (a fresh buffer per key would be fresh pages, which the kernel zeroes on first touch:
+    that cost more than the copy into them)."""
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        current = getattr(self, "buffer", None)
+        if current is None or current.numel() < nbytes:
+            self.buffer = current = aligned_host_buffer(nbytes)
+        return current[:nbytes]
+
+
 def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
     """The part of ``iov`` left after ``done`` bytes were transferred."""
     rest = []

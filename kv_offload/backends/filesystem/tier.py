@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import itertools
@@ -43,22 +42,20 @@ import torch
 
 from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
+    Repack,
     StorageTier,
     TierChanges,
     TierJobResult,
     check_tier_keys,
     check_tier_request,
+    value_bytes,
 )
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
 from kv_offload.backends.filesystem.directory import make_private_dirs, prepare_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
-    FileFormatError,
     build_header,
-    check_header,
     data_offset,
-    names_match,
-    parse_header,
     relative_path,
     temp_file_name,
 )
@@ -68,14 +65,13 @@ from kv_offload.backends.filesystem.generation_file import (
 )
 from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
-    FileSizeMismatch,
     IOEngine,
-    NotRegularFile,
+    ValueScratch,
     aligned_host_buffer,
     host_view,
-    read_head,
     unlink_quietly,
 )
+from kv_offload.backends.filesystem.reads import FileReads
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
 from kv_offload.backends.options import parse_options
@@ -102,7 +98,7 @@ class _Job:
         return TierJobResult(self.job_id, self.keys, tuple(self.succeeded))
 
 
-class FilesystemTier(StorageTier):
+class FilesystemTier(FileReads, StorageTier):
     """A ``StorageTier`` that keeps one safetensors file per key in a directory."""
 
     def __init__(self, config: FilesystemTierConfig) -> None:
@@ -113,6 +109,7 @@ class FilesystemTier(StorageTier):
         )
         self._rejections = Rejections(f"kv-offload filesystem tier {self._layout_dir}")
         self._io = IOEngine(direct=config.direct_io and direct_ok, fsync=config.fsync)
+        self._scratch = ValueScratch()  # repacked values: one buffer per I/O thread
         self._index = KeyIndex(config.bytes_to_use)
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards jobs, results and counts
@@ -153,14 +150,24 @@ class FilesystemTier(StorageTier):
 
     def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
         check_tier_request(keys, buffers, max_key_bytes=MAX_KEY_BYTES)
+        return self._submit_write(keys, buffers)
+
+    def submit_write_repacked(self, keys: Sequence[bytes],
+                              values: Sequence[torch.Tensor | Repack]) -> int:
+        check_tier_request(keys, values, max_key_bytes=MAX_KEY_BYTES, repacks=True)
+        return self._submit_write(keys, values)  # (packed by the I/O thread: `_write_one`)
+
+    def _submit_write(self, keys: Sequence[bytes],
+                      values: Sequence[torch.Tensor | Repack]) -> int:
         job, tasks = self._new_job(keys), []
-        for i, (key, buf) in enumerate(zip(keys, buffers)):
+        for i, (key, buf) in enumerate(zip(keys, values)):
             if self._index.touch(key):  # same key, same bytes: already stored
                 job.succeeded[i] = True
                 self._count("write_skipped_present")
                 continue
-            size = data_offset(key, self.config.layout_fingerprint, buf.numel(),
-                               self.config.codec) + buf.numel()
+            nbytes = value_bytes(buf)
+            size = data_offset(key, self.config.layout_fingerprint, nbytes,
+                               self.config.codec) + nbytes
             reservation = self._index.reserve(size)
             if reservation is None:  # no room in this tier's share, even after evicting all
                 # it may (keys being read, room held by writes in flight): no disk fault
@@ -171,8 +178,17 @@ class FilesystemTier(StorageTier):
 
     def submit_read(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
         check_tier_request(keys, buffers, max_key_bytes=MAX_KEY_BYTES)
+        return self._submit_read(keys, buffers)
+
+    def submit_read_repacked(self, keys: Sequence[bytes],
+                             values: Sequence[torch.Tensor | Repack]) -> int:
+        check_tier_request(keys, values, max_key_bytes=MAX_KEY_BYTES, repacks=True)
+        return self._submit_read(keys, values)  # (unpacked by the I/O thread: `_read_one`)
+
+    def _submit_read(self, keys: Sequence[bytes],
+                     values: Sequence[torch.Tensor | Repack]) -> int:
         job, tasks = self._new_job(keys), []
-        for i, (key, buf) in enumerate(zip(keys, buffers)):
+        for i, (key, buf) in enumerate(zip(keys, values)):
             if self._index.begin_read(key) is None:
                 self._count("read_failed", "read_failed_absent")
                 continue
@@ -283,12 +299,16 @@ class FilesystemTier(StorageTier):
         self._count("evictions", n=len(keys))
 
     def _write_one(
-        self, job: _Job, i: int, key: bytes, buf: torch.Tensor, size: int,
+        self, job: _Job, i: int, key: bytes, value: torch.Tensor | Repack, size: int,
         reservation: Reservation,
     ) -> None:
         victims: list[bytes] | None = None
         codec = self.config.codec
         try:
+            buf = value
+            if isinstance(value, Repack):  # packed here, into this thread's own buffer
+                buf = self._scratch.get(value.nbytes)
+                value.pack(buf)
             stored = buf  # what goes to disk: the data, or its ciphertext
             if codec.encrypts:
                 stored = aligned_host_buffer(buf.numel())
@@ -327,72 +347,3 @@ class FilesystemTier(StorageTier):
             self._count("write_ok")
             self._count("bytes_written", n=size)
             self._delete(victims)  # only now that the new file has landed
-
-    def _read_one(self, job: _Job, i: int, key: bytes, buf: torch.Tensor) -> None:
-        ok = False
-        path = self.file_path(key)
-        try:
-            ok = self._read_checked(key, path, buf)
-        except FileNotFoundError:
-            self._index.remove(key)  # deleted by another process
-            self._count("read_failed", "read_failed_vanished")
-        except OSError as e:
-            self._reads.failed("io", f"key {key.hex()}: {e}")
-        except Exception as e:
-            self._reads.failed("bug", f"key {key.hex()}: {e!r}", exc_info=True)
-        finally:
-            self._index.end_read(key)
-            self._key_done(job, i, ok)
-
-    def _read_checked(self, key: bytes, path: str, buf: torch.Tensor) -> bool:
-        fingerprint, codec = self.config.layout_fingerprint, self.config.codec
-        try:
-            head = self._io.read(path, data_offset(key, fingerprint, buf.numel(), codec), buf)
-        except FileSizeMismatch as e:
-            return self._size_mismatch(key, path, buf.numel(), e.actual)
-        except NotRegularFile as e:  # e.g. a FIFO planted under a key's name
-            return self._discard(key, path, str(e))
-        try:
-            expected_digest = check_header(head, key, fingerprint, buf.numel(), codec)
-        except FileFormatError as e:
-            return self._discard(key, path, f"bad header: {e}")
-        # (verified, and decrypted when encrypting, in place in the host buffer)
-        if not codec.open(key, fingerprint, expected_digest, host_view(buf)):
-            return self._discard(key, path, f"{codec.algo} digest mismatch")
-        self._rejections.verified()
-        self._index.touch(key)
-        with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
-            os.utime(path)
-        self._reads.succeeded()
-        self._count("read_ok")
-        self._count("bytes_read", n=len(head) + buf.numel())
-        return True
-
-    def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:
-        """A file whose size does not fit the buffer: a caller mistake, or a damaged file."""
-        codec = self.config.codec
-        try:
-            info = parse_header(read_head(path), codec)
-        except FileFormatError as e:
-            return self._discard(key, path, f"bad header: {e}")
-        intact = (
-            not codec.keyed  # (a keyed record's size claim is not trusted unverified)
-            and names_match(info, key, self.config.layout_fingerprint, codec)
-            and actual == info.data_offset + info.data_len
-        )
-        if not intact:
-            return self._discard(key, path, f"size {actual} bytes disagrees with its header")
-        self._count("read_failed", "read_failed_buffer_size")
-        logger.warning(
-            "kv-offload: key %s holds %d bytes but the read buffer has %d; not served",
-            key.hex(), info.data_len, wanted,
-        )
-        return False
-
-    def _discard(self, key: bytes, path: str, reason: str) -> bool:
-        """Report a bad file: forget the key and remove the file so it is never read again."""
-        self._index.remove(key)
-        unlink_quietly(path)
-        self._count("read_failed", "bad_files_removed", "rejected_records")
-        self._rejections.rejected(key, f"{path}: {reason}")
-        return False

@@ -1,0 +1,116 @@
+"""How `FilesystemTier` reads a key: the file into the caller's buffer (or, for a repacked
+value, into this I/O thread's own buffer, unpacked into the caller's once verified), served
+only if header and checksum (or tag, or AES-GCM decryption) match; a bad file is removed
+and counted, never served.
+
+This is a mixin of `FilesystemTier` (it uses the tier's config, I/O engine, index, counters
+and failure episodes); it is its own module only to keep each file one concern.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_offload.backends.base import Repack
+from kv_offload.backends.filesystem.fileformat import (
+    FileFormatError,
+    check_header,
+    data_offset,
+    names_match,
+    parse_header,
+)
+from kv_offload.backends.filesystem.io_engine import (
+    FileSizeMismatch,
+    NotRegularFile,
+    host_view,
+    read_head,
+    unlink_quietly,
+)
+
+if TYPE_CHECKING:
+    from kv_offload.backends.filesystem.tier import _Job
+
+logger = logging.getLogger("kv_offload.backends.filesystem.tier")  # (the tier's log lines)
+
+
+class FileReads:
+    """The read half of `FilesystemTier`."""
+
+    def _read_one(self, job: _Job, i: int, key: bytes, value: torch.Tensor | Repack) -> None:
+        ok = False
+        path = self.file_path(key)
+        try:
+            repack = value if isinstance(value, Repack) else None
+            buf = value if repack is None else self._scratch.get(repack.nbytes)
+            served = self._read_checked(key, path, buf)
+            if served and repack is not None:  # (a failing unpack fails the key: ok stays)
+                repack.unpack(buf)
+            ok = served
+        except FileNotFoundError:
+            self._index.remove(key)  # deleted by another process
+            self._count("read_failed", "read_failed_vanished")
+        except OSError as e:
+            self._reads.failed("io", f"key {key.hex()}: {e}")
+        except Exception as e:
+            self._reads.failed("bug", f"key {key.hex()}: {e!r}", exc_info=True)
+        finally:
+            self._index.end_read(key)
+            self._key_done(job, i, ok)
+
+    def _read_checked(self, key: bytes, path: str, buf: torch.Tensor) -> bool:
+        fingerprint, codec = self.config.layout_fingerprint, self.config.codec
+        try:
+            head = self._io.read(path, data_offset(key, fingerprint, buf.numel(), codec), buf)
+        except FileSizeMismatch as e:
+            return self._size_mismatch(key, path, buf.numel(), e.actual)
+        except NotRegularFile as e:  # e.g. a FIFO planted under a key's name
+            return self._discard(key, path, str(e))
+        try:
+            expected_digest = check_header(head, key, fingerprint, buf.numel(), codec)
+        except FileFormatError as e:
+            return self._discard(key, path, f"bad header: {e}")
+        # (verified, and decrypted when encrypting, in place in the host buffer)
+        if not codec.open(key, fingerprint, expected_digest, host_view(buf)):
+            return self._discard(key, path, f"{codec.algo} digest mismatch")
+        self._rejections.verified()
+        self._index.touch(key)
+        with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
+            os.utime(path)
+        self._reads.succeeded()
+        self._count("read_ok")
+        self._count("bytes_read", n=len(head) + buf.numel())
+        return True
+
+    def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:
+        """A file whose size does not fit the buffer: a caller mistake, or a damaged file."""
+        codec = self.config.codec
+        try:
+            info = parse_header(read_head(path), codec)
+        except FileFormatError as e:
+            return self._discard(key, path, f"bad header: {e}")
+        intact = (
+            not codec.keyed  # (a keyed record's size claim is not trusted unverified)
+            and names_match(info, key, self.config.layout_fingerprint, codec)
+            and actual == info.data_offset + info.data_len
+        )
+        if not intact:
+            return self._discard(key, path, f"size {actual} bytes disagrees with its header")
+        self._count("read_failed", "read_failed_buffer_size")
+        logger.warning(
+            "kv-offload: key %s holds %d bytes but the read buffer has %d; not served",
+            key.hex(), info.data_len, wanted,
+        )
+        return False
+
+    def _discard(self, key: bytes, path: str, reason: str) -> bool:
+        """Report a bad file: forget the key and remove the file so it is never read again."""
+        self._index.remove(key)
+        unlink_quietly(path)
+        self._count("read_failed", "bad_files_removed", "rejected_records")
+        self._rejections.rejected(key, f"{path}: {reason}")
+        return False
