@@ -92,6 +92,9 @@ class OffloadManager:
         self._record_events = record_events
         self._entries: dict[OffloadKey, _Entry] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # Every slot ever handed out is below this (freed slots are reused first, so the
+        # host pool's pages past it were never written: `backends/cpu/prefault.py`).
+        self.high_water = 0
         self._num_evictable = 0  # READY, unpinned, not dropped
         self._events: list[OffloadEvent] = []
         self.policy_failures = 0  # plug-in policies replaced by LRU after a fault
@@ -209,6 +212,8 @@ class OffloadManager:
                 self._release(key)
             self._emit("removed", victims)
         slots = [self._free.pop() for _ in new]
+        if slots:
+            self.high_water = max(self.high_water, max(slots) + 1)
         for key, slot in zip(new, slots):
             self._entries[key] = _Entry(slot)
         return StorePlan(tuple(new), tuple(slots), tuple(victims), tuple(present))

@@ -269,6 +269,7 @@ class TieredStore(LoadPipeline, StorePipeline):
                                   self._storage_done(r, t.succeeded), None, fail=record)
         self._guarded("staging", self._advance_staged, None)
         self._guarded("store staging", self._advance_staged_stores, None)
+        self.cpu.slots_in_use_below(self.manager.high_water)  # (host pages ahead of use)
         self._guarded("storage change feed", self._absorb_storage_changes, None)
         done, self._done = self._done, []
         return done

@@ -160,7 +160,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # Failed loads are reported per request (vLLM cannot map block ids back to
         # requests with several cache groups); they are recomputed from scratch.
         def results() -> KVConnectorTransferResults:
-            finished, failed = self._worker.finished_loads()
+            # (a step without a forward waits briefly for an asynchronous load to land)
+            finished, failed = self._worker.finished_loads(
+                idle=getattr(self._get_connector_metadata(), "idle", False))
             if failed:
                 logger.warning("kv-offload: %d request(s) will be recomputed: part of their "
                                "KV could not be loaded", len(failed))

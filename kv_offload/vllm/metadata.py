@@ -48,6 +48,10 @@ class KVOffloadMetadata(KVConnectorMetadata):
     wait_for_stores: bool = True
     """Before this step's forward, wait until every store so far is copied out of engine
     memory: vLLM may reuse a block one of them reads (the scheduler sets it only then)."""
+    idle: bool = False
+    """No request runs a forward in this step (vLLM steps without one while requests wait
+    for asynchronous loads): a worker with such a load in flight may wait, briefly, for it
+    to land instead of returning at once (`OffloadWorker.finished_loads`)."""
 
     def in_step_block_ids(self) -> set[int]:
         """Every engine block this step's in-step loads fill (planned or not): all of them

@@ -214,7 +214,8 @@ class OffloadScheduler(SchedulerRecovery):
                                  failed_loads=self._failed_loads,
                                  failed_blocks=self._failed_blocks, stores=stores,
                                  reset=self._reset, step=self._step,
-                                 wait_for_stores=wait_for_stores)
+                                 wait_for_stores=wait_for_stores,
+                                 idle=not scheduler_output.total_num_scheduled_tokens)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
         self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False

@@ -64,6 +64,13 @@ REPORT_MAX_KEYS = 8192  # key changes per report: bounds vLLM's IPC per step (in
 # each hold of the lock (and the GIL) short; the engine's calls never wait long for the pump.
 _TAKE_PER_ROUND = 512
 _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones this often
+# A step without a forward waits at most this long for an asynchronous load to land. vLLM
+# steps without pause while its only requests wait for our loads: that engine thread, all
+# Python, held the GIL and a core, and our reads and copies (threads that need the GIL
+# between system calls) ran 3 to 5x slower than inside a step (a 16 MiB disk hit: 60 to
+# 150 ms of reads instead of 25). Waiting here hands both over; a load that lands ends the
+# wait at once, and a request arriving meanwhile waits at most this long to be scheduled.
+IDLE_WAIT_S = 0.005
 
 
 class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
@@ -234,10 +241,14 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                 self.faults.failed("store submit", exc)
             self._stores_submitted = self._step
 
-    def finished_loads(self) -> tuple[set[str], set[str]]:
+    def finished_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose load ended since the last call, and those of them that failed
-        (some bytes did not arrive: vLLM recomputes the request). Each request once."""
+        (some bytes did not arrive: vLLM recomputes the request). Each request once.
+        `idle`: this step ran no forward; with a load in flight and none ended yet, drive
+        the store here until one ends, at most `IDLE_WAIT_S` (see there)."""
         with self._lock:
+            if idle and self._loads_in_flight and not self._failed_now:
+                self._drive_until(self._a_load_ended, IDLE_WAIT_S)
             outcomes, self._outcomes = self._outcomes, []
             failed_now, self._failed_now = self._failed_now, set()
         finished, failed = set(failed_now), set(failed_now)
@@ -249,6 +260,10 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                 if not outcome.result.success:
                     failed.add(job.request_id)
         return finished, failed
+
+    def _a_load_ended(self) -> bool:  # lock held: O(outcomes since the last step)
+        return not self._loads_in_flight or \
+            any(o.job.request_id is not None for o in self._outcomes)
 
     def report(self) -> KVOffloadWorkerMetadata:
         """Keys whose location on this rank changed since the last report (at most

@@ -136,3 +136,11 @@ def test_the_worker_reports_unplanned_in_step_blocks_and_knows_this_steps_in_ste
         assert worker.finished_loads() == (set(), set())  # nothing by request
     finally:
         worker.shutdown()
+
+
+def test_a_step_that_schedules_no_tokens_is_marked_idle_for_the_workers():
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=0)  # (every load asynchronous)
+    assert hit_of(sched) == (128, True)
+    meta = sched.build_meta(output())  # the request waits for its load: nothing runs
+    assert list(meta.loads) == ["r"] and meta.idle
+    assert not sched.build_meta(output(scheduled={"r": 39})).idle  # now it runs

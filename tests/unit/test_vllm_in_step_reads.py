@@ -5,6 +5,8 @@ engine memory, when `start_loads` returns. Real files, real threads."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -22,6 +24,7 @@ from test_vllm_worker_side import (  # noqa: E402
 
 from kv_offload.config import parse_config  # noqa: E402
 from kv_offload.errors import ConfigError  # noqa: E402
+from kv_offload.vllm.worker_side import IDLE_WAIT_S  # noqa: E402
 
 
 def _on_disk_only(workers, tmp_path, salt: bytes):
@@ -57,6 +60,24 @@ def test_an_in_step_load_from_disk_is_in_engine_memory_when_start_loads_returns(
         assert same_bytes(engine.block_bytes(0, block), original)
     assert worker.take_block_errors() == set()
     assert worker.finished_loads() == (set(), set())  # (in-step: never by request)
+
+
+def test_a_step_without_a_forward_waits_for_an_asynchronous_load_instead_of_spinning(
+        workers, tmp_path):
+    # vLLM steps without pause while its only request waits for our load; each such step
+    # asks for finished loads. Returning at once kept the engine thread spinning (holding
+    # the GIL our reads need): each call now waits for the load, at most IDLE_WAIT_S.
+    engine, worker, hashes, originals = _on_disk_only(workers, tmp_path, b"idle")
+    worker.start_loads({"r": {0: (hashes, [5, 6, 7, 8])}})
+    started, calls, finished = time.monotonic(), 0, set()
+    while "r" not in finished:
+        assert time.monotonic() - started < 30, "the load never finished"
+        finished |= worker.finished_loads(idle=True)[0]
+        calls += 1
+    waited = time.monotonic() - started
+    assert calls <= 2 + waited / IDLE_WAIT_S  # every call waited (or the load landed)
+    for block, original in zip((5, 6, 7, 8), originals):
+        assert same_bytes(engine.block_bytes(0, block), original)
 
 
 @pytest.mark.parametrize("value", [-1, "fast", True, 11, float("nan")])

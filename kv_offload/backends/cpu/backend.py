@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from kv_offload.backends.cpu.layer_copies import LayerCopier, LayerSteps, layer_cut_refusal
-from kv_offload.backends.cpu.pool import allocate_pool
+from kv_offload.backends.cpu.pool import allocate_pool, cuda_present
+from kv_offload.backends.cpu.prefault import PoolPrefaulter
 from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
@@ -78,6 +79,11 @@ class CpuBackend:
         `gate_timeout_s`: how long a store cut per layer waits for a layer's release."""
         self.layout = HostSlotLayout.from_canonical(canonical)
         self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin, runtime)
+        pinned = runtime is not None or (cuda_present() if pin is None else pin)
+        # Plain memory: its pages are faulted in ahead of the slots in use (prefault.py).
+        self.prefaulter = None if pinned else PoolPrefaulter(self.pool, self.layout.slot_bytes)
+        if self.prefaulter is not None:
+            self.prefaulter.start()
         self.copier = BlockCopier(canonical, self.pool, self.layout, runtime)
         self.gate_timeout_s = gate_timeout_s
         # Jobs cut per layer: CPU engine memory whose layers each have their own bytes
@@ -124,6 +130,12 @@ class CpuBackend:
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
             raise TransferError(f"slot ids must be in [0, {self.num_slots})")
         return self.slot_map.rows(slots)
+
+    def slots_in_use_below(self, high_water: int) -> None:
+        """The manager handed out slots below `high_water` (O(1)): plain host memory is
+        faulted in ahead of them, in the background."""
+        if self.prefaulter is not None:
+            self.prefaulter.slots_in_use_below(high_water)
 
     def engine_ready(self) -> EngineReady:
         """Record, on the calling thread's current stream (the engine's), the point a
@@ -211,6 +223,8 @@ class CpuBackend:
         for worker in self._workers:
             worker.join()
         self.copier.close()
+        if self.prefaulter is not None:
+            self.prefaulter.close()
         if self.layer_copier is not None:
             self.layer_copier.close()
 
