@@ -162,7 +162,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         def results() -> KVConnectorTransferResults:
             # (a step without a forward waits briefly for an asynchronous load to land)
             finished, failed = self._worker.finished_loads(
-                idle=getattr(self._get_connector_metadata(), "idle", False))
+                idle=self.has_connector_metadata() and self._get_connector_metadata().idle)
             if failed:
                 logger.warning("kv-offload: %d request(s) will be recomputed: part of their "
                                "KV could not be loaded", len(failed))
