@@ -51,7 +51,7 @@ class S3BucketServer(LocalS3Server):
     """`s3_bucket_server.py` on a free port, its bucket holding ``names`` (filler) and
     ``records`` (real records of ``block_bytes``); ``report``: what its load measured."""
 
-    name = "moto server (filled)"
+    name = "moto-filled"  # (in its work directory's name and in errors)
     start_timeout_s = 3600.0  # (a million objects load in about a minute here)
 
     def __init__(self, names: Path, records: Path, block_bytes: int) -> None:

@@ -131,8 +131,26 @@ class SharedTierRun:
             self.writer.wait(30)
             self.writer = None
 
+    def _drain_writes(self, quiet_s: float = 2.0, at_most_s: float = 600.0) -> float:
+        """Wait until the engine's own stores stop landing (its writes counters still for
+        ``quiet_s``); returns the seconds waited. A store that serves requests one at a time
+        (moto) answers a listing page only between the PUTs of that backlog: without this,
+        the probe would time the backlog, not the crawl."""
+        def written() -> int:
+            return sum(n for name, n in self.counts().items() if name.startswith("write"))
+        started = last_change = time.monotonic()
+        last = written()
+        while time.monotonic() - last_change < quiet_s and \
+                time.monotonic() - started < at_most_s:
+            time.sleep(0.2)
+            if (now := written()) != last:
+                last, last_change = now, time.monotonic()
+        return last_change - started
+
     def measure_delay(self, keys: int) -> dict:
-        """Another engine writes ``keys`` keys; how long until `lookup` finds each."""
+        """Another engine writes ``keys`` keys; how long until `lookup` finds each (once
+        the engine's own stores have landed: `_drain_writes`)."""
+        drained_s = self._drain_writes()
         with tempfile.TemporaryDirectory() as tmp:
             log = Path(tmp) / "written.jsonl"
             proc = subprocess.Popen(self._writer_command(50, keys, str(log)))
@@ -155,8 +173,9 @@ class SharedTierRun:
         missing = len(written) - len(seen)
         pick = lambda q: self.delays_s[min(len(self.delays_s) - 1,  # noqa: E731
                                           int(q * len(self.delays_s)))]
-        return {"keys": len(written), "not_found": missing,
+        return {"keys": len(written), "not_found": missing, "stores_drained_s": drained_s,
                 "waited_at_most_s": self.delay_bound_s,
+                "delays_s": [round(d, 3) for d in self.delays_s],
                 "p50_ms": pick(0.5) * 1e3, "p99_ms": pick(0.99) * 1e3,
                 "max_ms": self.delays_s[-1] * 1e3} if self.delays_s else {"keys": 0}
 
@@ -209,7 +228,8 @@ def print_shared(steps: dict) -> None:
           f"{shared.get('server') or ''}; another engine wrote "
           f"{shared['writer_rate']:.0f} keys/s during the steady steps (--writer-rate); tier "
           f"counts { {k: v for k, v in counts.items() if v} }")
-    print(f"  delay until another engine's write is found (--delay-keys): {shared['delay']}")
+    delay = {k: v for k, v in shared["delay"].items() if k != "delays_s"}
+    print(f"  delay until another engine's write is found (--delay-keys): {delay}")
 
 
 def block_of(key: bytes, block_bytes: int) -> torch.Tensor:
@@ -247,6 +267,11 @@ def _writer(kind: str, where: str, block_bytes: int, rate: float, count: int,
             log: str | None) -> None:
     """Another engine: writes random new blocks at ``rate`` per second (``count``: how many,
     0 = until SIGTERM), appending {"key", "t"} lines to ``log`` once each write landed."""
+    try:  # (the tree under test's key shape; not via step_cost_compat: it imports vLLM)
+        from kv_offload.key_view import storage_key
+    except ImportError:  # an older tree (--before)
+        from kv_offload.tiering import storage_key
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     writer = open_writer(kind, where)
@@ -254,7 +279,9 @@ def _writer(kind: str, where: str, block_bytes: int, rate: float, count: int,
     out = open(log, "a") if log else None  # noqa: SIM115 (closed below)
     n, start = 0, time.monotonic()
     while not stop.is_set() and (count == 0 or n < count):
-        key = rng.randbytes(32)
+        # Shaped like the engine's storage keys (a common header, then the block hash): an
+        # S3 crawl finds a name when it passes it, so where new names sort matters.
+        key = storage_key((rng.randbytes(32), 0))
         written = writer.write(key, block_of(key, block_bytes))
         if out is not None and written:  # (a write that failed is no key to find)
             out.write(json.dumps({"key": key.hex(), "t": time.time()}) + "\n")
