@@ -118,10 +118,11 @@ def run_steps(args) -> dict:
     _, caches = allocate_kv_caches(groups, num_blocks, "LBHNC")  # vLLM CPU's layout
     block_bytes = sum(2 * spec.page_size_bytes for spec in specs)
     shared = None
-    if getattr(args, "tier", "synthetic") == "valkey":  # (step_cost_shared.py)
-        from step_cost_shared import start_valkey
+    if getattr(args, "tier", "synthetic") != "synthetic":  # (step_cost_shared.py)
+        from step_cost_shared import start_shared
 
-        shared = start_valkey(inventory, {storage_key_of(k) for k in doc_keys}, block_bytes)
+        shared = start_shared(args.tier, inventory, {storage_key_of(k) for k in doc_keys},
+                              block_bytes, args)
         tier = shared.tier
         inventory_left, tier_counts = shared.inventory_left, shared.counts
     else:
@@ -176,7 +177,7 @@ def run_steps(args) -> dict:
         "tier": tier_counts() if shared is None else shared.final_counts,
         "shared": None if shared is None else {
             "kind": args.tier, "fill_s": shared.fill_s, "start_up_s": shared.start_up_s,
-            "writer_rate": args.writer_rate, "delay": delay},
+            "server": shared.server_notes, "writer_rate": args.writer_rate, "delay": delay},
         "first_steps": phase_summary(first),
         "steady_state": phase_summary(steady),
     }
@@ -265,10 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tier", choices=("synthetic", "valkey"), default="synthetic",
+    parser.add_argument("--tier", choices=("synthetic", "valkey", "s3"), default="synthetic",
                         help="the storage tier holding the --keys keys: the synthetic index, "
-                        "or a real ValkeyTier on a loopback redis-server (step_cost_shared.py, "
-                        "with --writer-rate, --delay-keys)")
+                        "a real ValkeyTier on a loopback redis-server, or a real S3Tier on a "
+                        "loopback moto server (step_cost_shared.py, step_cost_s3.py; with "
+                        "--writer-rate, --delay-keys)")
+    parser.add_argument("--s3-pages-per-refresh", type=int, default=1,
+                        help="--tier s3: the tier's list_pages_per_refresh (default 1, the "
+                        "tier's): a pass over the prefix takes keys / 1000 / this polls")
     parser.add_argument("--writer-rate", type=float, default=200.0)
     parser.add_argument("--delay-keys", type=int, default=200)
     parser.add_argument("--report-cap", type=int, help="key changes per worker report "

@@ -19,9 +19,12 @@ How the crawl keeps what other engines write visible, at a bounded cost:
   did not see are dropped (``BucketKeys.finish_listing``, in paced steps) and the next pass
   starts from the beginning.
 - Delay: an object another engine wrote is visible within one pass, i.e. within
-  ``ceil(objects / (1000 * list_pages_per_refresh)) * refresh_interval_s`` (defaults: 1 page
-  per second, ~17 minutes at a million objects, 1 s up to 1000). Reads never depend on it:
-  a key this engine does not know of is a miss, recomputed, never wrong bytes.
+  ``ceil(objects / (1000 * list_pages_per_refresh)) * (refresh_interval_s +
+  list_pages_per_refresh * page_s)``, ``page_s`` being one page's round trip (the
+  `Refresher` waits ``refresh_interval_s`` after each poll ends). Defaults, pages of 50 ms:
+  ~18 minutes at a million objects, ~1 s up to 1000 (`bench_step_cost.py --tier s3`
+  measures it). Reads never depend on it: a key this engine does not know of is a miss,
+  recomputed, never wrong bytes.
 - Cost per poll: at most ``list_pages_per_refresh`` requests, each bounded in time by
   ``request_timeout_s``, and ~84 ms of CPU per page; per second, ``list_pages_per_refresh /
   refresh_interval_s`` pages, whatever the size of the prefix.
