@@ -5,14 +5,15 @@ this tier speaks rank keys and host slot buffers to `TieredStore`, as every tier
 TP-free records (`tp_records`) to the tier below:
 
 - **write** of a rank key: a head-sharded group's writer rank writes its own record (the
-  slot buffer itself where the page is head-major, else packed into a buffer of its own);
+  slot buffer itself where the record's order is the page's: LBHNC and LBNHC pages with dense
+  slots, `tp_records.own_record`; else packed into a buffer of its own);
   a replica that does not write (the MLA latent, replicated heads on ranks other than the
   first) writes nothing and reports success: the first replica writes the same bytes. Until
   it has, only this rank believes the block stored, and a hit needs every rank. Per-shape
   groups write the slot buffer under the shape-tagged key.
 - **read** of a rank key: the records `GroupRecords.cover` picks from what is present, read
-  whole, then the heads this rank holds copied into the slot buffer (the own record of a
-  head-major page is read straight into it). The key succeeds only if every record read
+  whole, then the heads this rank holds copied into the slot buffer (the own record, where
+  it is the slot's bytes, is read straight into it). The key succeeds only if every record read
   succeeded: a rank never loads part of its heads. A key not covered fails at once, no I/O.
 - **presence**: per rank key (bytes, not tracked by the garbage collector), a bit per
   candidate record present, fed by our own writes and the tier's change feed; a rank key
@@ -20,7 +21,8 @@ TP-free records (`tp_records`) to the tier below:
   record change, so `take_changes` stays bounded). So `TieredStore`, the scheduler's per-rank
   key sets, hits and KV events keep working per block: a block counts as stored on a rank
   when every head it needs is.
-- **copies** (a record that is not the slot's bytes: NHD pages, a part of a larger record):
+- **copies** (a record that is not the slot's bytes: a part of a larger record, a record of
+  another rank's order, pages with padding or split LBHNC kernel blocks):
   handed to the tier below as `base.Repack` values (`_RecordCopy`). The filesystem tier
   packs and unpacks them on its I/O threads, in one buffer per thread that it keeps (memory:
   `io_threads` x the largest record; the copies overlap other keys' I/O, as the copy-free
@@ -195,15 +197,15 @@ class TPRecordTier(StorageTier):
                 parsed = self.records.parse(inner_key)
                 if parsed is None:
                     continue
-                key, group, heads = parsed
-                if heads is None:  # a per-shape key of this shape
+                key, group, record = parsed
+                if record is None:  # a per-shape key of this shape
                     latest[key] = on
                     continue
                 recs = self.records.groups[group]
-                if heads not in recs.candidates:
-                    continue  # a range no TP size of ours reads (e.g. other heads entirely)
+                if record not in recs.candidates:
+                    continue  # a record no TP size of ours reads (e.g. other heads entirely)
                 before = self._covered(key, group)
-                self._set_bit(key, recs.candidates.index(heads), on)
+                self._set_bit(key, recs.candidates.index(record), on)
                 if self._covered(key, group) != before:
                     latest[key] = not before
         return TierChanges(tuple(k for k, on in latest.items() if on),
@@ -234,7 +236,7 @@ class TPRecordTier(StorageTier):
             elif e.recs.shard.writes:
                 own = e.recs.own
                 record = e.buffer if e.recs.identity else \
-                    _RecordCopy(e.recs, CoverPart(own, own), e.buffer.view(torch.int8))
+                    _RecordCopy(e.recs, CoverPart(own, own.heads), e.buffer.view(torch.int8))
                 plan.written_bit = True
                 inner.add(plan, self.records.record_key(e.key, own), record)
             else:  # another replica writes these heads
@@ -257,7 +259,8 @@ class TPRecordTier(StorageTier):
             else:
                 for part in cover:
                     plan.record_bits.append(recs.candidates.index(part.record))
-                    straight = recs.identity and part.record == part.take == recs.own
+                    straight = recs.identity and part.record == recs.own and \
+                        part.take == recs.own.heads
                     inner.add(plan, self.records.record_key(e.key, part.record),
                               e.buffer if straight else  # straight into the slot
                               _RecordCopy(recs, part, e.buffer.view(torch.int8)))
@@ -335,8 +338,8 @@ class TPRecordTier(StorageTier):
         if held is None:
             return None
         parsed = [p for p in map(self.records.parse, held) if p is not None]
-        return list(dict.fromkeys(k for k, g, heads in parsed
-                                  if heads is None or self._covered(k, g)))
+        return list(dict.fromkeys(k for k, g, record in parsed
+                                  if record is None or self._covered(k, g)))
 
     def clear(self) -> None:
         self.inner.clear()

@@ -214,45 +214,88 @@ def test_a_model_with_other_weights_is_never_served(tmp_path):
         store.close()
 
 
-def test_nhd_records_move_through_one_buffer_per_io_thread_however_many_blocks(tmp_path,
-                                                                             monkeypatch):
-    # An NHD (LBNHC) page is packed into its record and unpacked from it by the filesystem
-    # tier's I/O threads, each in a buffer of its own that it keeps: jobs of more records
-    # than threads allocate no record buffer per record (fresh pages: first-touch faults).
-    allocated = []
+def spy_record_buffers(monkeypatch) -> list[int]:
+    """Sizes of the record buffers the TP layer and the filesystem tier allocate from now
+    on (the real allocators, wrapped)."""
+    allocated: list[int] = []
     for module, name in ((io_engine, "aligned_host_buffer"), (tp_tier, "aligned_buffer")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda n, real=real: allocated.append(n) or real(n))
-    blocks, jobs, threads = 12, 3, 2
-    model = build_example("llama-8b", blocks, layout="LBNHC", tp_size=4)  # 2 heads a rank
-    model.buffer.copy_(torch.randint(-128, 128, model.buffer.shape, dtype=torch.int8))
-    stored = model.buffer.clone()
+    return allocated
+
+
+def open_example(layout: str, blocks: int, tmp_path, threads: int = 2):
+    """Rank 0 of 4 of the Llama-3-8B example (2 heads a rank) over a filesystem tier."""
+    model = build_example("llama-8b", blocks, layout=layout, tp_size=4)
     canonical = canonicalize(model.kv_caches, model.groups, blocks)
-    shape_fp = layout_fingerprint(canonical, "weights|tp4|rank0")
+    shape_fp = layout_fingerprint(canonical, f"weights|tp4|rank0|{layout}")
     records = rank_records(canonical, model.kv_caches, model.groups,
                            TPShare("weights", 4, 0, 8), shape_fp)
     config = parse_config({"cpu_bytes_to_use": blocks * canonical.slot_bytes_per_block(0),
                            "storage_tier": "filesystem", "storage_options": {
                                "root_dir": str(tmp_path), "bytes_to_use": "1GiB",
                                "io_threads": threads}})
+    return model, TieredStore.from_config(canonical, config, shape_fp, records=records)
+
+
+def wait_visible(store: TieredStore, hashes: list[bytes]) -> None:
+    want = [(h, 0) for h in hashes]
+    deadline = time.monotonic() + 10
+    while store.lookup(want) != [Location.STORAGE] * len(hashes):
+        assert time.monotonic() < deadline, "the stored blocks never showed"
+        store.poll()
+
+
+def move_in_jobs(store: TieredStore, op: str, hashes: list[bytes], per_job: int) -> None:
+    for j in range(0, len(hashes), per_job):
+        part = {0: (hashes[j:j + per_job], list(range(j, j + per_job)))}
+        submit = store.submit_store if op == "store" else store.submit_load
+        [result] = store.wait([submit(part)])
+        assert result.success
+    assert store.flush()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_a_rank_at_its_own_tp_size_stores_and_loads_its_pages_as_records_without_a_copy(
+        tmp_path, monkeypatch, layout):
+    # For both page layouts a rank's own record is its host slot's bytes (token-major for
+    # LBNHC, vLLM's GPU default; head-major for LBHNC): no record buffer, no pack, no unpack.
+    allocated = spy_record_buffers(monkeypatch)
+    blocks = 6
     hashes = [i.to_bytes(8, "little") for i in range(blocks)]
-    per_job = blocks // jobs  # (more records than I/O threads in every job)
-    for op in ("store", "load"):
-        store = TieredStore.from_config(canonical, config, shape_fp, records=records)
-        if op == "load":
-            model.buffer.zero_()
-            want = [(h, 0) for h in hashes]
-            deadline = time.monotonic() + 10
-            while store.lookup(want) != [Location.STORAGE] * blocks:
-                assert time.monotonic() < deadline, "the stored blocks never showed"
-                store.poll()
-        del allocated[:]
-        for j in range(0, blocks, per_job):
-            part = {0: (hashes[j:j + per_job], list(range(j, j + per_job)))}
-            submit = store.submit_store if op == "store" else store.submit_load
-            [result] = store.wait([submit(part)])
-            assert result.success
-        assert store.flush()
-        assert len(allocated) <= threads, f"{op}: {len(allocated)} record buffers allocated"
-        store.close()
+    model, store = open_example(layout, blocks, tmp_path)
+    model.buffer.copy_(torch.randint(-128, 128, model.buffer.shape, dtype=torch.int8))
+    stored = model.buffer.clone()
+    move_in_jobs(store, "store", hashes, blocks)
+    store.close()
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size
+                   >= stored.numel() // blocks)
+    assert len(files) == blocks  # (one record a block, as many values as plain pages)
+    model, store = open_example(layout, blocks, tmp_path)
+    wait_visible(store, hashes)
+    move_in_jobs(store, "load", hashes, blocks)
+    store.close()
     assert torch.equal(model.buffer, stored)
+    assert allocated == [], f"{layout}: record buffers {allocated} allocated"
+
+
+def test_records_of_the_other_order_move_through_one_buffer_per_io_thread(tmp_path,
+                                                                          monkeypatch):
+    # LBNHC records (token-major) loaded by an LBHNC rank are transposed into its slots by
+    # the filesystem tier's I/O threads, each in a buffer of its own that it keeps: jobs of
+    # more records than threads allocate no record buffer per record (fresh pages fault).
+    allocated = spy_record_buffers(monkeypatch)
+    blocks, jobs, threads = 12, 3, 2
+    hashes = [i.to_bytes(8, "little") for i in range(blocks)]
+    writer, store = open_example("LBNHC", blocks, tmp_path, threads)
+    writer.buffer.copy_(torch.randint(-128, 128, writer.buffer.shape, dtype=torch.int8))
+    move_in_jobs(store, "store", hashes, blocks)
+    store.close()
+    reader, store = open_example("LBHNC", blocks, tmp_path, threads)
+    wait_visible(store, hashes)
+    move_in_jobs(store, "load", hashes, blocks // jobs)  # (more records than I/O threads)
+    store.close()
+    assert 0 < len(allocated) <= threads, f"{len(allocated)} record buffers allocated"
+    for name, cache in writer.kv_caches.items():  # the same values, in the reader's layout
+        assert torch.equal(reader.kv_caches[name].view(torch.int16), cache.view(torch.int16)), \
+            name  # (compared as bits: random bytes hold NaNs)
