@@ -24,10 +24,11 @@ Shapes vLLM refuses (H=6 at T=4, H=3 at T=2, H=6 at T=8) are refused here too
 (`ConfigError`): there is no vLLM page to map them to.
 
 **Writes and reads** (wired into the connector by `tp_records` / `tp_tier`). The storage tier
-holds **records**: a contiguous head range of one block of one group, units back to back in
-the layer-major order a rank's head-major page already has, so a writer at its own TP size
-stores one record per block and group, as many values as before (for LBHNC pages and one
-head per rank, the host slot's own bytes). A rank reads every head it holds. A head is
+holds **records**: a contiguous head range of one block of one group, layer by layer, each
+layer's rows in the order the writer's pages have (head-major: the units back to back, as
+in an LBHNC page; token-major: the units' rows interleaved per token, as in an LBNHC page), so
+a writer at its own TP size stores one record per block and group, as many values as
+before, and each is the host slot's own bytes. A rank reads every head it holds. A head is
 written by exactly one rank, the first that holds it (`r % replicas == 0`): replicated heads
 and MLA latents are stored once, not T/H times. A rank reads its own range's record, else a
 larger record containing it, else smaller ones tiling it (`tp_records.GroupRecords.cover`).

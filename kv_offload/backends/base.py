@@ -9,7 +9,8 @@ Contents:
   from_options; by default the options are the constructor's keyword arguments).
 - `TierJobResult`, `TierChanges`, `TierStats`: what a tier hands back.
 - `Repack`: a value stored in another byte order than its host buffer's (a TP-free record
-  of a token-major page): a tier that takes them packs and unpacks on its I/O threads.
+  read by a rank of another TP size or page layout): a tier that takes them packs and
+  unpacks on its I/O threads.
 - `check_tier_keys`, `check_tier_request`: the argument checks every tier shares;
   `value_bytes`: the size of a buffer or `Repack`;
   `check_constructor_options`: the default check of `storage_options`.
@@ -61,7 +62,7 @@ class TierJobResult:
 
 class Repack(ABC):
     """A value whose stored bytes (`nbytes`) are a rearrangement of part of a host buffer
-    (`tp_tier`: the KV-head record of a token-major page). A tier that takes repacked
+    (`tp_tier`: a KV-head record that is not the host slot's bytes). A tier that takes repacked
     values moves the stored bytes through a buffer of its own, reused across keys (the
     filesystem tier: one per I/O thread), and calls `pack` before writing and `unpack`
     after a verified read on the thread that does the key's I/O: the copies run beside
