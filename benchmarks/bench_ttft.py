@@ -24,6 +24,9 @@ each of N distinct long prompts, new to every cache, TTFT is the wall time of
                        (`disk x own hit, same process` below the table: on a shared
                        machine the engines of one run see different loads, the two
                        passes of one process much closer ones).
+  vllm_hit_host_process  the same for the host pass: in the connector's engine, right after
+                       each host hit, vLLM's own hit of the prompt the host hit just
+                       loaded (`host x own hit, same process`).
   host_layer_wise      with `--compare-layer-wise`: the host pass again in another engine
                        whose connector has `layer_wise: true` (in-step loads copied layer by
                        layer during the forward, stores as each layer is done), with its own
@@ -66,8 +69,10 @@ ARCHS = {"llama": ("Llama-like", MODEL_SIZES),
          "qwen3_next": ("Qwen3-Next-like", {"layers": 8, "hidden": 1024, "heads": 16,
                                              "kv_heads": 4, "linear_heads": 2})}
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
-PASSES = ("cold_no_connector", "vllm_hit", "cold_with_connector", "host", "disk",
-          "vllm_hit_disk_process", "cold_layer_wise", "host_layer_wise")
+PASSES = ("cold_no_connector", "vllm_hit", "cold_with_connector", "host",
+          "vllm_hit_host_process", "disk", "vllm_hit_disk_process", "cold_layer_wise",
+          "host_layer_wise")
+SAME_PROCESS = {"host": "vllm_hit_host_process", "disk": "vllm_hit_disk_process"}
 GOALS = {"host": 0.15, "disk": 0.3}  # TTFT ratio to recompute, from the issue
 HIT_GOALS = {"host": 1.05, "disk": 1.5}  # TTFT ratio to vLLM's own in-memory hit
 HIT_SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
@@ -189,7 +194,8 @@ def _engine_plans(args: argparse.Namespace, prompts: list[str], warmup: list[str
     for w, group in ((True, warmup[:1]), (False, prompts)):
         for i, p in enumerate(group):
             tiered += [_step("cold_with_connector", p, i, "none", settle, warmup=w),
-                       _step("host", p, i, "engine", settle, warmup=w)]
+                       _step("host", p, i, "engine", settle, warmup=w),
+                       _step("vllm_hit_host_process", p, i, "none", settle, warmup=w)]
     # The first process's warm-up prompt is on disk too: it warms this one's load path.
     disk = [_step(name, p, i, "none", settle, warmup=w)
             for w, group in ((True, warmup[:1]), (False, prompts))
@@ -258,7 +264,7 @@ def _summarise(samples: list[dict[str, Any]], prompt_tokens: int,
             if name.startswith("cold") and s["num_cached_tokens"]:
                 problems.append(f"{where}: {s['num_cached_tokens']} cached tokens on first sight")
             if (name in GOALS or name in ("vllm_hit", "host_layer_wise",
-                                          "vllm_hit_disk_process")) and \
+                                          *SAME_PROCESS.values())) and \
                     s["num_cached_tokens"] < min_cached:
                 problems.append(f"{where}: {s['num_cached_tokens']} cached tokens, "
                                 f"expected >= {min_cached}")
@@ -270,14 +276,16 @@ def _summarise(samples: list[dict[str, Any]], prompt_tokens: int,
     for entry in passes.values():
         entry["ratio_to_recompute"] = entry["median_ttft_wall_s"] / base if base else None
         entry["ratio_to_vllm_hit"] = entry["median_ttft_wall_s"] / own_hit if own_hit else None
-    # Each disk hit over vLLM's own hit of that prompt in the same process just after
-    # (median of the per-prompt ratios).
+    # Each host / disk hit over vLLM's own hit of that prompt in the same process just
+    # after (median of the per-prompt ratios).
     pairs = {(s["prompt_index"], s["pass"]): s["ttft_wall_s"] for s in measured}
-    same_process = [pairs[i, "disk"] / pairs[i, "vllm_hit_disk_process"] for i, name in pairs
-                    if name == "disk" and (i, "vllm_hit_disk_process") in pairs]
-    return {"passes": passes, "problems": problems, "valid": not problems,
-            "disk_to_own_hit_same_process": statistics.median(same_process)
-            if same_process else None}
+    same_process = {}
+    for tier, own in SAME_PROCESS.items():
+        ratios = [pairs[i, tier] / pairs[i, own] for i, name in pairs
+                  if name == tier and (i, own) in pairs]
+        same_process[f"{tier}_to_own_hit_same_process"] = \
+            statistics.median(ratios) if ratios else None
+    return {"passes": passes, "problems": problems, "valid": not problems, **same_process}
 
 
 def _print_table(summary: dict[str, Any], args: argparse.Namespace, starts: dict) -> None:
@@ -302,9 +310,10 @@ def _print_table(summary: dict[str, Any], args: argparse.Namespace, starts: dict
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    if summary["disk_to_own_hit_same_process"] is not None:
-        print(f"\ndisk x own hit, same process (median of per-prompt ratios): "
-              f"{summary['disk_to_own_hit_same_process']:.3f}")
+    for tier in SAME_PROCESS:
+        if summary[f"{tier}_to_own_hit_same_process"] is not None:
+            print(f"\n{tier} x own hit, same process (median of per-prompt ratios): "
+                  f"{summary[f'{tier}_to_own_hit_same_process']:.3f}")
     print("\nvalid run" if summary["valid"] else "\nINVALID run:\n  "
           + "\n  ".join(summary["problems"]))
 
