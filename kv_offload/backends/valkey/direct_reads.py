@@ -10,9 +10,13 @@ thread that copies. So a read batch here sends the same ``STRLEN`` + ``GETRANGE 
 expected-1`` pipeline on a connection of redis-py's own pool (with its packer, its
 deadline-bounded socket, its credentials and TLS) and reads the replies itself: the small
 ones (integers, errors, a value of another size: at most the bytes the buffer expects) into
-a scratch buffer; a value of exactly the expected size as its header into ``bytes`` and its
-data with ``recv_into`` straight into the host buffer, where the caller verifies (and
-decrypts) it in place, as the filesystem tier does. Nothing is served before it verifies.
+a scratch buffer; a value of exactly the expected size as its header into ``bytes`` and,
+if that header is this key's for this layout and size, its data with ``recv_into`` straight
+into the host buffer, where the caller verifies (and decrypts) it in place, as the filesystem
+tier does. Nothing is served before it verifies; but a value whose data fails its digest has
+then been received into the buffer (as with the filesystem tier, or a failed decryption):
+the key fails, and a failed read's buffer is never served. A foreign or damaged header keeps
+its data out of the buffer.
 
 Only what these two commands answer is parsed, in RESP2 or RESP3 (redis-py 8 speaks RESP3
 by default): integers, bulk strings, errors, null. redis-py keeps everything else: the caller
@@ -26,6 +30,7 @@ that failed mid-reply is closed, never reused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -52,6 +57,7 @@ class ReadItem:
     expected: int  # the record's bytes for the caller's buffer (header + data)
     offset: int  # header bytes: where the data starts in the record
     data: memoryview  # the host buffer (``expected - offset`` bytes)
+    header_ok: Callable[[bytes], bool]  # whether a header is this key's (layout, size)
 
 
 @dataclass(frozen=True)
@@ -161,9 +167,15 @@ class _Replies:
         if n == item.expected == held:
             head = bytearray(item.offset)
             self.into(memoryview(head))
-            self.into(item.data)
+            if item.header_ok(bytes(head)):
+                self.into(item.data)
+                self.crlf()
+                return InPlace(bytes(head))
+            value = bytearray(n)  # not ours: whole, judged (and deleted) as before
+            value[:item.offset] = head
+            self.into(memoryview(value)[item.offset:])
             self.crlf()
-            return InPlace(bytes(head))
+            return bytes(value)
         value = bytearray(n)  # another size: its start, for judge_wrong_size
         self.into(memoryview(value))
         self.crlf()

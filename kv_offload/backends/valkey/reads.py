@@ -27,6 +27,8 @@ from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.outage import Outage
 from kv_offload.backends.record import (
     NETWORK_ALIGN,
+    RecordFormatError,
+    check_header,
     data_offset,
     unpack_in_place,
     unpack_into,
@@ -76,7 +78,7 @@ class ValkeyReads:
                 offset = data_offset(key, fingerprint, buf.numel(), align=NETWORK_ALIGN,
                                      codec=codec)
                 items.append(ReadItem(self._name_of(key), offset + buf.numel(), offset,
-                                      host_view(buf)))
+                                      host_view(buf), self._header_check(key, buf.numel())))
             replies = self._direct(items)
             if replies is None:
                 replies = self._pipelined(items)
@@ -96,6 +98,19 @@ class ValkeyReads:
             self._view.add(key for i, (key, _) in batch if i in ok)
             self._book.finish(job, done, True)
             self._book.finish(job, [i for i, _ in batch if i not in ok], False)
+
+    def _header_check(self, key: bytes, data_len: int) -> Callable[[bytes], bool]:
+        """Whether a received header is this key's, for this layout and size (checked before
+        its data may enter the host buffer)."""
+        fingerprint, codec = self._config.layout_fingerprint, self._config.codec
+
+        def ok(head: bytes) -> bool:
+            try:
+                check_header(head, key, fingerprint, data_len, align=NETWORK_ALIGN, codec=codec)
+            except RecordFormatError:
+                return False
+            return True
+        return ok
 
     def _direct(self, items: list[ReadItem]) -> list[tuple] | None:
         """The batch's replies, values read straight into the host buffers (direct_reads.py),
