@@ -153,6 +153,9 @@ def test_a_redirection_or_a_push_message_is_left_to_redis_py():
         read_sized(_Wire(b">3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$1\r\nx\r\n"), [item])
 
 
-def test_a_reply_larger_than_the_range_asked_is_not_trusted():
+@pytest.mark.parametrize("replies", [b":99\r\n$99\r\n", b":x\r\n", b"$2\r\nab\r\n"])
+def test_a_reply_these_commands_never_give_drops_the_connection(replies):
+    # (larger than the range asked, not a number, another type: a ConnectionError, which
+    # the tier treats as the server failing: the connection is closed, the keys are misses)
     with pytest.raises(redis.ConnectionError):
-        read_sized(_Wire(b":99\r\n$99\r\n"), [_item(b"a", b"HEAD", 8)])
+        read_sized(_Wire(replies), [_item(b"a", b"HEAD", 8)])

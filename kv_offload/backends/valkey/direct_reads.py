@@ -132,7 +132,7 @@ class _Replies:
         if line[:1] == b"-":
             return _parse_error(line[1:].decode("utf-8", "replace"))
         if line[:1] == b"!":
-            text = bytearray(int(line[1:]))
+            text = bytearray(_number(line))
             self.into(memoryview(text))
             self.crlf()
             return _parse_error(text.decode("utf-8", "replace"))
@@ -146,7 +146,7 @@ class _Replies:
         if error is not None:
             return error
         if line[:1] == b":":
-            return int(line[1:])
+            return _number(line)
         raise ProtocolError(f"expected an integer reply, got {line[:16]!r}")
 
     def sized_bulk(self, item: ReadItem, held: int | Exception) -> bytes | InPlace | Exception:
@@ -159,7 +159,7 @@ class _Replies:
             return b""
         if line[:1] != b"$":
             raise ProtocolError(f"expected a bulk reply, got {line[:16]!r}")
-        n = int(line[1:])
+        n = _number(line)
         if n > item.expected:  # (GETRANGE never sends more: a server that does is not trusted)
             raise ProtocolError(f"{n} bytes sent for a range of {item.expected}")
         if n < 0:
@@ -180,6 +180,13 @@ class _Replies:
         self.into(memoryview(value))
         self.crlf()
         return bytes(value)
+
+
+def _number(line: bytes) -> int:
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise ProtocolError(f"not a number in the reply line {line[:16]!r}") from None
 
 
 def read_sized(connection, items: list[ReadItem]) -> list[tuple]:
