@@ -280,19 +280,45 @@ def unpack_into(record: bytes | memoryview, key: bytes, fingerprint: str, out: m
     ``out`` only if the header and the digest hold (otherwise ``out`` is untouched by an
     unkeyed or authenticating codec, and undefined after a failed decryption)."""
     n = len(out)
-    try:
-        digest = check_header(record, key, fingerprint, n, align=align, codec=codec)
-    except RecordFormatError as e:
-        try:
-            info = parse_header(record, align=align, codec=codec)
-        except RecordFormatError:
-            return Unpacked(bad=str(e))
-        intact = (not codec.keyed and names_match(info, key, fingerprint, codec)
-                  and len(record) == info.data_offset + info.data_len)
-        return Unpacked(held_bytes=info.data_len) if intact else Unpacked(bad=str(e))
+    digest = _judge_header(record, len(record), key, fingerprint, n, align, codec)
+    if isinstance(digest, Unpacked):
+        return digest
     data = memoryview(record)[data_offset(key, fingerprint, n, align=align, codec=codec):]
     if len(data) != n:
         return Unpacked(bad=f"{len(data)} data bytes after the header, expected {n}")
     if not codec.open(key, fingerprint, digest, data, out):
         return Unpacked(bad=f"{codec.algo} digest mismatch")
     return Unpacked(ok=True)
+
+
+def unpack_in_place(head: bytes | memoryview, key: bytes, fingerprint: str, data: memoryview,
+                    *, align: int, codec: RecordCodec = CHECKSUM) -> Unpacked:
+    """``unpack_into`` for a record received in two parts: its header ``head``, and its data
+    already in the buffer it is for (a network read straight into the host buffer). Checked,
+    and decrypted when encrypting, in place; ``ok`` only if the header and digest hold,
+    otherwise ``data`` may hold anything and nothing may be served from it."""
+    n = len(data)
+    digest = _judge_header(head, len(head) + n, key, fingerprint, n, align, codec)
+    if isinstance(digest, Unpacked):
+        return digest
+    if len(head) != data_offset(key, fingerprint, n, align=align, codec=codec):
+        return Unpacked(bad=f"a {len(head)}-byte header where the data should start")
+    if not codec.open(key, fingerprint, digest, data):
+        return Unpacked(bad=f"{codec.algo} digest mismatch")
+    return Unpacked(ok=True)
+
+
+def _judge_header(head: bytes | memoryview, record_len: int, key: bytes, fingerprint: str,
+                  n: int, align: int, codec: RecordCodec) -> str | Unpacked:
+    """The digest the header promises for ``n`` data bytes of this key and layout, or why
+    the record (``record_len`` bytes in all) cannot be served (``Unpacked``)."""
+    try:
+        return check_header(head, key, fingerprint, n, align=align, codec=codec)
+    except RecordFormatError as e:
+        try:
+            info = parse_header(head, align=align, codec=codec)
+        except RecordFormatError:
+            return Unpacked(bad=str(e))
+        intact = (not codec.keyed and names_match(info, key, fingerprint, codec)
+                  and record_len == info.data_offset + info.data_len)
+        return Unpacked(held_bytes=info.data_len) if intact else Unpacked(bad=str(e))

@@ -69,7 +69,9 @@ def test_a_corrupted_value_is_a_miss_and_is_deleted(valkey_server, where):
     server.set(name, bytes(value))
     out = sentinel(50_000)
     assert read(tier, [b"k"], [out]).succeeded == (False,)
-    assert bool((out == SENTINEL).all())  # nothing of a bad value reaches the buffer
+    # A bad header keeps the value out of the buffer; data that fails its digest was read
+    # straight into it (as the filesystem tier reads), and is not served.
+    assert where == "data" or bool((out == SENTINEL).all())
     assert server.exists(name) == 0 and tier.lookup([b"k"]) == [False]
     assert tier.stats()["bad_values_removed"] == 1
     assert write(tier, [b"k"], [data]).ok  # the key can be stored again

@@ -226,6 +226,19 @@ class ValkeyConnection:
             return SINGLE
         return self.client.get_node_from_key(name).name
 
+    def pool_of(self, names: list[bytes]):
+        """redis-py's connection pool of the one server holding every key of ``names`` (from
+        the slot table: no network), or None if they are not on one known node now."""
+        if not self.cluster:
+            return self.client.connection_pool
+        try:
+            node = self.client.get_node_from_key(names[0])
+            if any(self.client.get_node_from_key(n).name != node.name for n in names[1:]):
+                return None
+            return self.client.get_redis_connection(node).connection_pool
+        except (SlotNotCoveredError, RedisClusterException, AttributeError):  # (None: no node)
+            return None
+
     def primaries(self) -> list:
         """The servers that hold keys: ``[None]`` (the one server), or the cluster's
         primaries as redis-py knows them now."""

@@ -6,7 +6,9 @@ sized_read.py). Each reply is then judged: absent (evicted, deleted: a miss, the
 the view), refused by the server (counted, noted once), a value that is not ours to serve
 (damaged, foreign, written without the secret: deleted so that the next write replaces it,
 counted as ``rejected_records``), an intact value of another size (the caller's buffer is
-wrong: kept), or verified and copied into the host buffer.
+wrong: kept), or verified and served. A value of the expected size is received straight into
+the host buffer and verified (decrypted) there, in place (direct_reads.py); redis-py's
+pipeline runs the batch instead where its cluster client must route it again.
 
 A server that fails mid-batch (down, stalled past the deadline, a cluster node between
 primaries) makes the rest of the batch misses and opens that server's ``Outage``.
@@ -23,7 +25,14 @@ import torch
 from kv_offload.backends.filesystem.io_engine import host_view
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.outage import Outage
-from kv_offload.backends.record import NETWORK_ALIGN, unpack_into
+from kv_offload.backends.record import (
+    NETWORK_ALIGN,
+    RecordFormatError,
+    check_header,
+    data_offset,
+    unpack_in_place,
+    unpack_into,
+)
 from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.server_keys import ServerKeys
 from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
@@ -32,6 +41,13 @@ from kv_offload.backends.valkey.connection import (
     SERVER_ERRORS,
     ValkeyConnection,
     raise_server_error,
+)
+from kv_offload.backends.valkey.direct_reads import (
+    InPlace,
+    ReadItem,
+    Unparsed,
+    read_sized,
+    redirected,
 )
 
 logger = logging.getLogger("kv_offload.backends.valkey.tier")  # (the tier's log lines)
@@ -56,17 +72,18 @@ class ValkeyReads:
             if not outage.should_try():
                 self._book.count("read_failed", "read_failed_unreachable", n=len(batch))
                 return
-            pipe = self._conn.client.pipeline(transaction=False)
-            fingerprint = self._config.layout_fingerprint
+            fingerprint, codec = self._config.layout_fingerprint, self._config.codec
+            items = []
             for _, (key, buf) in batch:  # the size, and at most the bytes we expect
-                name = self._name_of(key)
-                pipe.strlen(name)
-                pipe.getrange(name, 0, expected_bytes(key, fingerprint, buf.numel(),
-                                                        self._config.codec) - 1)
-            replies = pipe.execute(raise_on_error=False)
-            raise_server_error(replies)
+                offset = data_offset(key, fingerprint, buf.numel(), align=NETWORK_ALIGN,
+                                     codec=codec)
+                items.append(ReadItem(self._name_of(key), offset + buf.numel(), offset,
+                                      host_view(buf), self._header_check(key, buf.numel())))
+            replies = self._direct(items)
+            if replies is None:
+                replies = self._pipelined(items)
             outage.succeeded()
-            for (i, (key, buf)), held, value in zip(batch, replies[::2], replies[1::2]):
+            for (i, (key, buf)), (held, value) in zip(batch, replies):
                 if self._fill(key, held, value, buf):
                     done.append(i)
         except SERVER_ERRORS as e:
@@ -81,6 +98,57 @@ class ValkeyReads:
             self._view.add(key for i, (key, _) in batch if i in ok)
             self._book.finish(job, done, True)
             self._book.finish(job, [i for i, _ in batch if i not in ok], False)
+
+    def _header_check(self, key: bytes, data_len: int) -> Callable[[bytes], bool]:
+        """Whether a received header is this key's, for this layout and size (checked before
+        its data may enter the host buffer)."""
+        fingerprint, codec = self._config.layout_fingerprint, self._config.codec
+
+        def ok(head: bytes) -> bool:
+            try:
+                check_header(head, key, fingerprint, data_len, align=NETWORK_ALIGN, codec=codec)
+            except RecordFormatError:
+                return False
+            return True
+        return ok
+
+    def _direct(self, items: list[ReadItem]) -> list[tuple] | None:
+        """The batch's replies, values read straight into the host buffers (direct_reads.py),
+        or None where redis-py's pipeline must run it: a cluster redirection, or a cluster
+        node that failed (its client then re-reads the slot table, as before)."""
+        pool = self._conn.pool_of([item.name for item in items])
+        if pool is None:  # (the keys moved apart since the batch was made)
+            return None
+        try:
+            connection = pool.get_connection()
+        except SERVER_ERRORS:
+            if self._conn.cluster:
+                return None
+            raise
+        try:
+            replies = read_sized(connection, items)
+        except Unparsed:  # (a reply for redis-py, e.g. a push message: let it read them)
+            connection.disconnect()
+            return None
+        except BaseException as e:  # (mid-reply: what is left on the socket is not ours)
+            connection.disconnect()
+            if self._conn.cluster and isinstance(e, SERVER_ERRORS):
+                return None
+            raise
+        finally:
+            pool.release(connection)
+        return None if redirected(replies) else replies
+
+    def _pipelined(self, items: list[ReadItem]) -> list[tuple]:
+        """The same commands through redis-py's (cluster) pipeline, which follows MOVED and
+        ASK and handles a failed node; values arrive as ``bytes``."""
+        pipe = self._conn.client.pipeline(transaction=False)
+        for item in items:
+            pipe.strlen(item.name)
+            pipe.getrange(item.name, 0, item.expected - 1)
+        replies = pipe.execute(raise_on_error=False)
+        raise_server_error(replies)
+        return list(zip(replies[::2], replies[1::2]))
 
     def _fill(self, key: bytes, held, value, buf: torch.Tensor) -> bool:
         """Check one STRLEN + GETRANGE reply and copy its data into ``buf``; False (and why,
@@ -98,6 +166,9 @@ class ValkeyReads:
         fingerprint, codec = self._config.layout_fingerprint, self._config.codec
         if held != expected_bytes(key, fingerprint, buf.numel(), codec):  # only its start read
             got = judge_wrong_size(value, held, key, fingerprint, buf.numel(), codec)
+        elif isinstance(value, InPlace):  # (the data is in buf already: checked there)
+            got = unpack_in_place(value.head, key, fingerprint, host_view(buf),
+                                  align=NETWORK_ALIGN, codec=codec)
         else:
             got = unpack_into(value, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
                               codec=codec)
