@@ -39,14 +39,18 @@ class IoThreads:
         self._initializer = initializer
         self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
                          for i in range(count)]
-        for thread in self._threads:
-            thread.start()
+        self._started = False  # (started by the first task: a tier that fails to start
+        # or never does I/O leaves no idle threads behind)
 
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         """Queue ``fn(*args)``; RuntimeError after ``shutdown`` (as an executor's)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot submit a task after shutdown")
+            if not self._started:
+                self._started = True
+                for thread in self._threads:
+                    thread.start()
             self._tasks.put((fn, *args))
 
     def shutdown(self, wait: bool = True) -> None:
@@ -57,7 +61,7 @@ class IoThreads:
                 self._closed = True
                 for _ in self._threads:
                     self._tasks.put(None)  # (one stop mark per thread, after every task)
-        if wait:
+        if wait and self._started:
             for thread in self._threads:
                 if thread is not threading.current_thread():
                     thread.join()
