@@ -21,10 +21,10 @@ How the crawl keeps what other engines write visible, at a bounded cost:
 - Delay: an object another engine wrote is visible within one pass, i.e. within
   ``ceil(objects / (1000 * list_pages_per_refresh)) * (refresh_interval_s +
   list_pages_per_refresh * page_s)``, ``page_s`` being one page's round trips (the
-  `Refresher` waits ``refresh_interval_s`` after each poll ends). Defaults, pages of 50 ms:
-  ~18 minutes at a million objects, ~1 s up to 1000 (`bench_step_cost.py --tier s3`
-  measures it). Reads never depend on it: a key this engine does not know of is a miss,
-  recomputed, never wrong bytes.
+  `Refresher` waits ``refresh_interval_s`` after each poll ends). Defaults, pages of 0.5 s
+  (20 requests of 25 ms): ~25 minutes at a million objects, ~1.5 s up to 1000
+  (`bench_step_cost.py --tier s3` measures it). Reads never depend on it: a key this
+  engine does not know of is a miss, recomputed, never wrong bytes.
 - Cost per poll: at most ``list_pages_per_refresh`` pages (20 requests each, see Garbage),
   each request bounded in time by ``request_timeout_s``; per second,
   ``list_pages_per_refresh / refresh_interval_s`` pages, whatever the size of the prefix.
