@@ -86,7 +86,6 @@ class _Batch:
     """What one ListObjectsV2 reply listed, in the tier's terms."""
 
     keys: list[bytes]  # this layout's keys, in name order
-    listed: int  # names listed (ours or not)
     truncated: bool  # more names follow
 
 
@@ -156,12 +155,12 @@ class PrefixListing:
     def _list_page(self, current: _Pass) -> bool | None:
         """The next page (``PAGE_OBJECTS`` names) of the pass, in requests of
         `request_objects()`: whether more follow (None: the tier is closing)."""
-        listed = 0
-        while listed < PAGE_OBJECTS:
+        size = request_objects()
+        for _ in range(-(-PAGE_OBJECTS // size)):  # (requests, not names: a store that
+            # sends fewer names than asked still ends a page in as many requests)
             if self._stopping.is_set():
                 return None
-            batch = self._list_request(current, min(request_objects(), PAGE_OBJECTS - listed))
-            listed += batch.listed
+            batch = self._list_request(current, size)
             self._book.count("keys_adopted", n=self._index.adopt_listed(batch.keys))
             if not batch.truncated:
                 return False
@@ -176,15 +175,14 @@ class PrefixListing:
                 Bucket=self._bucket, Prefix=self._root, MaxKeys=max_keys,
                 **({"StartAfter": current.after} if current.after else {}))
         found = []
-        listed = reply.get("Contents", ())
-        for obj in listed:
+        for obj in reply.get("Contents", ()):
             current.after = obj["Key"]
             key = self._key_of(obj["Key"])
             if key is not None:
                 current.listing.add(key, obj["Size"], obj["LastModified"].timestamp())
                 found.append(key)
         self._book.count("listing_requests")
-        return _Batch(found, len(listed), bool(reply.get("IsTruncated")))
+        return _Batch(found, bool(reply.get("IsTruncated")))
 
     def _finish(self, current: _Pass, pause: Pause) -> None:
         self._pass = None
