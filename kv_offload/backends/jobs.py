@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from kv_offload.backends.base import TierJobResult
+from kv_offload.backends.io_threads import IoThreads
 from kv_offload.errors import TierClosedError
 
 NOTE_INTERVAL_S = 60.0
@@ -70,7 +71,7 @@ class JobBook:
             if job.pending == 0:
                 self._results.append(job.result())
 
-    def start(self, pool: Executor, fn: Callable[..., None], *args: object) -> None:
+    def start(self, pool: Executor | IoThreads, fn: Callable[..., None], *args: object) -> None:
         """Hand one task of a job to the I/O pool (a pool that a concurrent ``close`` shut
         down refuses it: ``TierClosedError``, as for any submit after close)."""
         try:

@@ -35,15 +35,16 @@ class S3TierConfig:
     connections: int = option("count", 8, "HTTP connections, one I/O thread each")
     timeout_s: float = option("seconds", 5.0, "bound on each socket read")
     request_timeout_s: float = option("seconds", 15.0, "bound on one whole request (a PUT, "
-                                                       "a GET, a listing page), however "
+                                                       "a GET, a listing request), however "
                                                        "slowly the endpoint sends")
     connect_timeout_s: float = option("seconds", 2.0, "bound on each connect")
     max_attempts: int = option("count", 1, "attempts per request, retries included")
     refresh_interval_s: float = option("seconds", 1.0, "seconds between two polls of the "
                                                        "listing crawl (0: list only at "
                                                        "start)")
-    list_pages_per_refresh: int = option("count", 1, "listing pages (1000 objects each) per "
-                                                     "poll: bounds the CPU spent listing")
+    list_pages_per_refresh: int = option("count", 1, "listing pages (1000 objects each, "
+                                                     "in requests of 50) per poll: bounds "
+                                                     "the CPU spent listing")
     conditional_put: bool = option("bool", True, "write with If-None-Match: * (an object "
                                                  "already there is not sent again)")
     retry_interval_s: float = option("seconds", 1.0, "while the endpoint is unreachable, "

@@ -20,21 +20,39 @@ How the crawl keeps what other engines write visible, at a bounded cost:
   starts from the beginning.
 - Delay: an object another engine wrote is visible within one pass, i.e. within
   ``ceil(objects / (1000 * list_pages_per_refresh)) * (refresh_interval_s +
-  list_pages_per_refresh * page_s)``, ``page_s`` being one page's round trip (the
-  `Refresher` waits ``refresh_interval_s`` after each poll ends). Defaults, pages of 50 ms:
-  ~18 minutes at a million objects, ~1 s up to 1000 (`bench_step_cost.py --tier s3`
-  measures it). Reads never depend on it: a key this engine does not know of is a miss,
-  recomputed, never wrong bytes.
-- Cost per poll: at most ``list_pages_per_refresh`` requests, each bounded in time by
-  ``request_timeout_s``, and ~84 ms of CPU per page; per second, ``list_pages_per_refresh /
-  refresh_interval_s`` pages, whatever the size of the prefix.
+  list_pages_per_refresh * page_s)``, ``page_s`` being one page's round trips (the
+  `Refresher` waits ``refresh_interval_s`` after each poll ends). Defaults, pages of 0.5 s
+  (20 requests of 25 ms): ~25 minutes at a million objects, ~1.5 s up to 1000
+  (`bench_step_cost.py --tier s3` measures it). Reads never depend on it: a key this
+  engine does not know of is a miss, recomputed, never wrong bytes.
+- Cost per poll: at most ``list_pages_per_refresh`` pages (20 requests each, see Garbage),
+  each request bounded in time by ``request_timeout_s``; per second,
+  ``list_pages_per_refresh / refresh_interval_s`` pages, whatever the size of the prefix.
 - A failed page (an outage) keeps the pass where it was: the next poll tries it again.
+
+Garbage (why a page is listed in requests of 50 objects, issue 25): a full collection of
+CPython's garbage collector stops every thread of the engine's process for as long as it
+takes to walk every tracked object not frozen, and runs once the objects promoted into the
+old generation since the last one exceed a quarter of those it holds. Objects are promoted
+when they are alive during a generation-1 collection, and young collections run when the
+tracked objects allocated (net of those freed) pass ``gc.get_threshold()[0]`` (700).
+botocore parses a reply into an element tree twice (once to see whether a 200 hides an
+error) and then into a dict per object: ~7 tracked objects per listed object alive at once.
+A reply of 1000 objects (7000 elements) always set off young collections mid-parse, and 4.5
+to 14 objects per object listed reached the old generation (the parsed reply was also held
+while the next one was parsed): at ten pages a second, a full collection every ~20 s in
+`benchmarks/bench_step_cost.py --tier s3`. A request of ``700 // 14 = 50`` objects never
+allocates past the threshold on its own, and each reply is reduced to bytes and numbers
+(untracked) before the next request: ~0.03 objects promoted per object listed
+(`tests/unit/test_s3_listing_garbage.py`, `benchmarks/bench_s3_gc.py`). The price: 20
+requests per page instead of one (more round trips and ~1.5x the client's CPU per page).
 
 One listing at a time (a lock); a ``full()`` abandons the pass in progress.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +66,27 @@ from kv_offload.backends.jobs import JobBook
 from kv_offload.backends.outage import Outage
 from kv_offload.backends.s3.keys import BucketKeys, ScanStart
 
-PAGE_OBJECTS = 1000  # objects per ListObjectsV2 page (the S3 maximum)
+PAGE_OBJECTS = 1000  # objects per page: the unit of ``list_pages_per_refresh``
+TRACKED_PER_OBJECT = 14  # objects botocore allocates per listed object, at most: see below
+MIN_REQUEST_OBJECTS = 10
+
+
+def request_objects() -> int:
+    """Objects per ListObjectsV2 request (``MaxKeys``): few enough that parsing one reply
+    never allocates the young generation's threshold (see "Garbage" above). Read at each
+    request: an engine may set its own thresholds."""
+    young = gc.get_threshold()[0]
+    if young <= 0:  # (automatic collection off: nothing to stay under)
+        return PAGE_OBJECTS
+    return max(MIN_REQUEST_OBJECTS, min(PAGE_OBJECTS, young // TRACKED_PER_OBJECT))
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What one ListObjectsV2 reply listed, in the tier's terms."""
+
+    keys: list[bytes]  # this layout's keys, in name order
+    truncated: bool  # more names follow
 
 
 @dataclass
@@ -102,28 +140,49 @@ class PrefixListing:
         pages = 0
         try:
             while max_pages is None or pages < max_pages:
-                if self._stopping.is_set():
+                more = self._list_page(current)
+                if more is None:
                     return  # closing: an unfinished listing must not drop anything
-                with request_deadline(self._request_timeout_s):
-                    reply = self._s3.list_objects_v2(
-                        Bucket=self._bucket, Prefix=self._root, MaxKeys=PAGE_OBJECTS,
-                        **({"StartAfter": current.after} if current.after else {}))
                 pages += 1
-                found = []
-                for obj in reply.get("Contents", []):
-                    current.after = obj["Key"]
-                    key = self._key_of(obj["Key"])
-                    if key is not None:
-                        current.listing.add(key, obj["Size"], obj["LastModified"].timestamp())
-                        found.append(key)
-                self._book.count("keys_adopted", n=self._index.adopt_listed(found))
                 self._book.count("listing_pages")
-                if not reply.get("IsTruncated"):
+                if not more:
                     self._finish(current, pause)
                     break
             self._outage.succeeded()
         except (BotoCoreError, ClientError, OSError) as e:
             self._trouble("refresh", e)  # (the pass stays where it was: the next poll resumes)
+
+    def _list_page(self, current: _Pass) -> bool | None:
+        """The next page (``PAGE_OBJECTS`` names) of the pass, in requests of
+        `request_objects()`: whether more follow (None: the tier is closing)."""
+        size = request_objects()
+        for _ in range(-(-PAGE_OBJECTS // size)):  # (requests, not names: a store that
+            # sends fewer names than asked still ends a page in as many requests)
+            if self._stopping.is_set():
+                return None
+            batch = self._list_request(current, size)
+            self._book.count("keys_adopted", n=self._index.adopt_listed(batch.keys))
+            if not batch.truncated:
+                return False
+        return True
+
+    def _list_request(self, current: _Pass, max_keys: int) -> _Batch:
+        """One ListObjectsV2 request, reduced at once to keys (bytes) and the listing's
+        columns: botocore's parse of the reply (a dict per object) is garbage when this
+        returns, before the next request is parsed (see "Garbage" above)."""
+        with request_deadline(self._request_timeout_s):
+            reply = self._s3.list_objects_v2(
+                Bucket=self._bucket, Prefix=self._root, MaxKeys=max_keys,
+                **({"StartAfter": current.after} if current.after else {}))
+        found = []
+        for obj in reply.get("Contents", ()):
+            current.after = obj["Key"]
+            key = self._key_of(obj["Key"])
+            if key is not None:
+                current.listing.add(key, obj["Size"], obj["LastModified"].timestamp())
+                found.append(key)
+        self._book.count("listing_requests")
+        return _Batch(found, bool(reply.get("IsTruncated")))
 
     def _finish(self, current: _Pass, pause: Pause) -> None:
         self._pass = None

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from botocore.exceptions import BotoCoreError, ClientError
@@ -52,6 +51,7 @@ from kv_offload.backends.base import (
 from kv_offload.backends.deadline import install_deadlines, request_deadline
 from kv_offload.backends.filesystem.index import Reservation
 from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.io_threads import IoThreads
 from kv_offload.backends.jobs import Job, JobBook
 from kv_offload.backends.options import parse_options
 from kv_offload.backends.outage import Outage
@@ -98,8 +98,9 @@ class S3Tier(StorageTier):
         self._outage = Outage(f"object store {where}", config.retry_interval_s, logger)
         self._rejections = Rejections(f"kv-offload S3 tier {self._where}")
         self._conditional = config.conditional_put
-        self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-s3-io",
-                                      initializer=join_our_cpus)
+        # (not a ThreadPoolExecutor: 18 tracked objects per queued write there, 6 here;
+        # io_threads.py)
+        self._io = IoThreads(config.connections, "kv-s3-io", initializer=join_our_cpus)
         self._refresher = Refresher(self.poll_listing, config.refresh_interval_s,
                                     name="kv-s3-refresh", what=self._where)
         self._listing = PrefixListing(
