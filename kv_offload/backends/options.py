@@ -7,7 +7,8 @@ value raises ``ConfigError`` naming the option, what was given and what is accep
 start-up, before anything connects.
 
 Kinds: ``str`` (non-empty), ``optional_str`` (non-empty or None), ``size`` (bytes: an int or
-"16GiB"), ``count`` (an int >= 1), ``seconds`` (a number >= 0), ``bool``.
+"16GiB"), ``count`` (an int >= 1), ``optional_count`` (the same, or None), ``seconds`` (a
+number >= 0), ``bool``.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def _count(name: str, value: Any) -> int:
     return value
 
 
+def _optional_count(name: str, value: Any) -> int | None:
+    return None if value is None else _count(name, value)
+
+
 def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
@@ -112,5 +117,5 @@ def _bool(name: str, value: Any) -> bool:
 
 _KINDS: dict[str, Callable[[str, Any], Any]] = {
     "str": _str, "optional_str": _optional_str, "size": parse_size, "count": _count,
-    "seconds": _seconds, "bool": _bool,
+    "optional_count": _optional_count, "seconds": _seconds, "bool": _bool,
 }

@@ -28,6 +28,7 @@ boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install
 
 from kv_offload.backends.record import CHECKSUM  # noqa: E402
 from kv_offload.backends.s3 import S3Tier  # noqa: E402
+from kv_offload.errors import ConfigError  # noqa: E402
 
 FINGERPRINT = "llama|LBHNC|page=65536|tp1|rank0"
 OBJECTS = 3000
@@ -100,3 +101,23 @@ def test_the_crawl_promotes_few_objects_to_the_old_generation(s3_server, filled_
         assert promoted / OBJECTS < PROMOTED_PER_OBJECT_BOUND, promoted
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize(("chosen", "requests_per_page"), [(None, 20), (1000, 1), (250, 4)])
+def test_an_operator_chooses_how_many_objects_a_listing_request_asks_for(
+        s3_server, filled_bucket, chosen, requests_per_page):
+    # (AWS bills listing requests: list_request_objects 1000 sends 20x fewer than the
+    # default, which stays under the young generation's threshold)
+    tier = make_tier(s3_server, filled_bucket, list_request_objects=chosen)
+    try:
+        before = tier.stats()["listing_requests"]
+        tier.refresh()
+        assert len(tier.keys()) == OBJECTS
+        assert tier.stats()["listing_requests"] - before == OBJECTS // 1000 * requests_per_page
+    finally:
+        tier.close()
+
+
+def test_a_listing_request_larger_than_s3_allows_is_refused_at_start(s3_server, filled_bucket):
+    with pytest.raises(ConfigError, match="list_request_objects must be at most 1000"):
+        make_tier(s3_server, filled_bucket, list_request_objects=5000)

@@ -42,9 +42,13 @@ class S3TierConfig:
     refresh_interval_s: float = option("seconds", 1.0, "seconds between two polls of the "
                                                        "listing crawl (0: list only at "
                                                        "start)")
-    list_pages_per_refresh: int = option("count", 1, "listing pages (1000 objects each, "
-                                                     "in requests of 50) per poll: bounds "
-                                                     "the CPU spent listing")
+    list_pages_per_refresh: int = option("count", 1, "listing pages (1000 objects each) "
+                                                     "per poll: bounds the CPU spent "
+                                                     "listing")
+    list_request_objects: int | None = option(
+        "optional_count", None, "objects per ListObjectsV2 request, at most 1000 (None: "
+        "the garbage collector's young threshold / 14, i.e. 50: no full collections set "
+        "off by the listing; 1000: 20x fewer requests, billed per request on AWS)")
     conditional_put: bool = option("bool", True, "write with If-None-Match: * (an object "
                                                  "already there is not sent again)")
     retry_interval_s: float = option("seconds", 1.0, "while the endpoint is unreachable, "
@@ -56,6 +60,10 @@ class S3TierConfig:
 
     def __post_init__(self) -> None:
         check_remote_bounds(self)
+        if self.list_request_objects is not None and self.list_request_objects > 1000:
+            raise ConfigError(f"storage_options.list_request_objects must be at most 1000 "
+                              f"(S3's largest ListObjectsV2 page), got "
+                              f"{self.list_request_objects!r}")
         if self.endpoint_url is not None and not self.endpoint_url.startswith(
                 ("http://", "https://")):
             raise ConfigError(f"storage_options.endpoint_url must start with http:// or "

@@ -71,10 +71,13 @@ TRACKED_PER_OBJECT = 14  # objects botocore allocates per listed object, at most
 MIN_REQUEST_OBJECTS = 10
 
 
-def request_objects() -> int:
-    """Objects per ListObjectsV2 request (``MaxKeys``): few enough that parsing one reply
-    never allocates the young generation's threshold (see "Garbage" above). Read at each
-    request: an engine may set its own thresholds."""
+def request_objects(chosen: int | None = None) -> int:
+    """Objects per ListObjectsV2 request (``MaxKeys``): ``chosen`` (the
+    ``list_request_objects`` option), else few enough that parsing one reply never
+    allocates the young generation's threshold (see "Garbage" above), read at each request:
+    an engine may set its own thresholds."""
+    if chosen is not None:
+        return min(PAGE_OBJECTS, chosen)
     young = gc.get_threshold()[0]
     if young <= 0:  # (automatic collection off: nothing to stay under)
         return PAGE_OBJECTS
@@ -103,6 +106,7 @@ class PrefixListing:
 
     def __init__(self, s3, bucket: str, root: str, index: BucketKeys, *,
                  pages_per_poll: int, request_timeout_s: float, outage: Outage,
+                 request_objects: int | None = None,
                  book: JobBook, stopping: threading.Event,
                  trouble: Callable[[str, Exception], None],
                  delete: Callable[[list[bytes]], None]) -> None:
@@ -111,6 +115,7 @@ class PrefixListing:
         self._root = root
         self._index = index
         self._pages_per_poll = pages_per_poll
+        self._request_objects = request_objects  # (None: from the GC threshold)
         self._request_timeout_s = request_timeout_s
         self._outage = outage
         self._book = book
@@ -155,7 +160,7 @@ class PrefixListing:
     def _list_page(self, current: _Pass) -> bool | None:
         """The next page (``PAGE_OBJECTS`` names) of the pass, in requests of
         `request_objects()`: whether more follow (None: the tier is closing)."""
-        size = request_objects()
+        size = request_objects(self._request_objects)
         for _ in range(-(-PAGE_OBJECTS // size)):  # (requests, not names: a store that
             # sends fewer names than asked still ends a page in as many requests)
             if self._stopping.is_set():

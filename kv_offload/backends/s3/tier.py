@@ -106,6 +106,7 @@ class S3Tier(StorageTier):
         self._listing = PrefixListing(
             self._s3, config.bucket, self._root, self._index,
             pages_per_poll=config.list_pages_per_refresh,
+            request_objects=config.list_request_objects,
             request_timeout_s=config.request_timeout_s, outage=self._outage, book=self._book,
             stopping=self._refresher.stopping, trouble=self._trouble, delete=self._delete)
         self.refresh()  # the objects already there, before the first lookup
