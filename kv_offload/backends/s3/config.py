@@ -47,8 +47,9 @@ class S3TierConfig:
                                                      "listing")
     list_request_objects: int | None = option(
         "optional_count", None, "objects per ListObjectsV2 request, at most 1000 (None: "
-        "the garbage collector's young threshold / 14, i.e. 50: no full collections set "
-        "off by the listing; 1000: 20x fewer requests, billed per request on AWS)")
+        "for the crawl, the garbage collector's young threshold / 14, i.e. 50: no full "
+        "collections set off by it; 1000 for the start-up listing. 1000: 20x fewer "
+        "requests, billed per request on AWS)")
     conditional_put: bool = option("bool", True, "write with If-None-Match: * (an object "
                                                  "already there is not sent again)")
     retry_interval_s: float = option("seconds", 1.0, "while the endpoint is unreachable, "

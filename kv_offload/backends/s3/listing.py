@@ -46,6 +46,8 @@ allocates past the threshold on its own, and each reply is reduced to bytes and 
 (untracked) before the next request: ~0.03 objects promoted per object listed
 (`tests/unit/test_s3_listing_garbage.py`, `benchmarks/bench_s3_gc.py`). The price: 20
 requests per page instead of one (more round trips and ~1.5x the client's CPU per page).
+The whole listing (``full``: the tier's start-up, before the engine serves and before vLLM
+freezes its start-up heap) keeps requests of 1000: its round trips are start-up time.
 
 One listing at a time (a lock); a ``full()`` abandons the pass in progress.
 """
@@ -126,17 +128,21 @@ class PrefixListing:
         self._pass: _Pass | None = None
 
     def full(self) -> None:
-        """List the whole prefix now: adopt others' objects, drop vanished ones, evict."""
+        """List the whole prefix now: adopt others' objects, drop vanished ones, evict. In
+        requests of 1000 unless ``list_request_objects`` says otherwise: the whole listing
+        is the tier's start-up (before the engine serves, and before vLLM freezes its
+        start-up heap, which takes what the parse promoted along), and its round trips are
+        the start-up's time: 1000 requests for a million objects, not 20,000."""
         with self._lock:
             self._pass = None  # (abandoned: this one covers it)
-            self._step(None, pause=None)
+            self._step(None, pause=None, chosen=self._request_objects or PAGE_OBJECTS)
 
     def poll(self) -> None:
         """List the next pages of the pass in progress (at most ``pages_per_poll``)."""
         with self._lock:
-            self._step(self._pages_per_poll, pause=let_others_run)
+            self._step(self._pages_per_poll, pause=let_others_run, chosen=self._request_objects)
 
-    def _step(self, max_pages: int | None, pause: Pause) -> None:
+    def _step(self, max_pages: int | None, pause: Pause, chosen: int | None) -> None:
         if not self._outage.should_try():
             return
         if self._pass is None:
@@ -145,7 +151,7 @@ class PrefixListing:
         pages = 0
         try:
             while max_pages is None or pages < max_pages:
-                more = self._list_page(current)
+                more = self._list_page(current, chosen)
                 if more is None:
                     return  # closing: an unfinished listing must not drop anything
                 pages += 1
@@ -157,10 +163,10 @@ class PrefixListing:
         except (BotoCoreError, ClientError, OSError) as e:
             self._trouble("refresh", e)  # (the pass stays where it was: the next poll resumes)
 
-    def _list_page(self, current: _Pass) -> bool | None:
+    def _list_page(self, current: _Pass, chosen: int | None) -> bool | None:
         """The next page (``PAGE_OBJECTS`` names) of the pass, in requests of
-        `request_objects()`: whether more follow (None: the tier is closing)."""
-        size = request_objects(self._request_objects)
+        `request_objects(chosen)`: whether more follow (None: the tier is closing)."""
+        size = request_objects(chosen)
         for _ in range(-(-PAGE_OBJECTS // size)):  # (requests, not names: a store that
             # sends fewer names than asked still ends a page in as many requests)
             if self._stopping.is_set():
