@@ -7,6 +7,9 @@ A rule answers two questions for a group with its own block size:
   the layer needs back (a sliding window needs only its window, Mamba only the
   last state), so nothing more is read than the engine can use.
 Rules are looked up through the registry, so an out-of-tree spec brings its own.
+A rule is given a group's `CachedBlocks`: call it with a block index, or ask `run(start,
+stop)` for a run of cached blocks at once (the scheduler answers runs in C, so a rule that
+scans forward should ask for runs).
 A rule may set `downward_closed = True` when every shorter prefix of a hit is
 also a hit (full attention); `hits.find_longest_cache_hit` then asks it once.
 """
@@ -21,8 +24,29 @@ from kv_offload.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWind
 IsCached = Callable[[int], bool]
 
 
+class CachedBlocks:
+    """One group's answers to "is block i cached?", as a rule is given them.
+
+    `cached(i)` asks one block; `cached.run(start, stop)` counts the cached blocks from
+    `start` up to the first that is not (at most `stop - start`). This default asks block by
+    block; a subclass answers runs in bulk (`hits.BlockPresence` subclasses hand theirs
+    through)."""
+
+    def __init__(self, is_cached: IsCached) -> None:
+        self._is_cached = is_cached
+
+    def __call__(self, block: int) -> bool:
+        return bool(self._is_cached(block))
+
+    def run(self, start: int, stop: int) -> int:
+        n = start
+        while n < stop and self(n):
+            n += 1
+        return n - start
+
+
 class HitRule(Protocol):
-    def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
         """Largest number of leading blocks (<= max_blocks) this layer type accepts."""
         ...
 
@@ -37,11 +61,8 @@ class FullAttentionHit:
     # Every prefix of a hit is a hit: a lookup may trim the answer instead of asking again.
     downward_closed = True
 
-    def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
-        n = 0
-        while n < max_blocks and is_cached(n):
-            n += 1
-        return n
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
+        return is_cached.run(0, max_blocks)
 
     def blocks_to_load(self, spec: KVCacheSpec, num_blocks: int) -> range:
         return range(num_blocks)
@@ -57,7 +78,7 @@ class SlidingWindowHit:
     """The last `window_blocks` blocks before the hit point must be cached; a
     run of cached blocks starting at block 0 is also a valid (shorter) hit."""
 
-    def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
         needed = window_blocks(spec)
         if needed == 0:
             return max_blocks
@@ -86,11 +107,9 @@ def chunk_start_block(spec: ChunkedLocalAttentionSpec, num_blocks: int) -> int:
 class ChunkedLocalHit:
     """Only the blocks of the chunk containing the hit point are read."""
 
-    def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
         n = chunk_start_block(spec, max_blocks)
-        while n < max_blocks and is_cached(n):
-            n += 1
-        return n
+        return n + is_cached.run(n, max_blocks)
 
     def blocks_to_load(self, spec: KVCacheSpec, num_blocks: int) -> range:
         return range(chunk_start_block(spec, num_blocks), num_blocks)
@@ -99,7 +118,7 @@ class ChunkedLocalHit:
 class MambaHit:
     """The recurrent state after the last block summarises everything before it."""
 
-    def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
         for i in range(max_blocks - 1, -1, -1):
             if is_cached(i):
                 return i + 1
@@ -114,7 +133,7 @@ class NoPrefixHit:
 
     downward_closed = True
 
-    def longest_hit(self, spec: KVCacheSpec, is_cached: IsCached, max_blocks: int) -> int:
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
         return 0
 
     def blocks_to_load(self, spec: KVCacheSpec, num_blocks: int) -> range:

@@ -38,11 +38,32 @@ from functools import partial
 from math import lcm
 
 from kv_offload.errors import HitLookupError, SpecError
-from kv_offload.hit_rules import HitRule
+from kv_offload.hit_rules import CachedBlocks, HitRule
 from kv_offload.registry import KVCacheSpecRegistry, default_registry
 from kv_offload.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 IsCached = Callable[[int, int], bool]
+
+
+class BlockPresence:
+    """Which blocks are cached, in every group: `is_cached(group, block)`.
+    `find_longest_cache_hit` takes one of these or a plain function (which it wraps in
+    this class). `run(group, start, stop)` counts the cached blocks of `group` from `start`
+    up to the first that is not; this default asks block by block, and a subclass that
+    holds its answers in bulk overrides it (`vllm.rank_keys.HeldBlocks`: a full-attention
+    hit of n blocks then costs a few C calls, not n Python calls)."""
+
+    def __init__(self, is_cached: IsCached) -> None:
+        self._is_cached = is_cached
+
+    def __call__(self, group: int, block: int) -> bool:
+        return self._is_cached(group, block)
+
+    def run(self, group: int, start: int, stop: int) -> int:
+        n = start
+        while n < stop and self(group, n):
+            n += 1
+        return n - start
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ class CacheHit:
 
 def find_longest_cache_hit(
     specs: Sequence[KVCacheSpec],
-    is_cached: IsCached,
+    is_cached: IsCached | BlockPresence,
     max_length: int,
     *,
     registry: KVCacheSpecRegistry | None = None,
@@ -72,7 +93,8 @@ def find_longest_cache_hit(
         raise SpecError("find_longest_cache_hit needs at least one KV-cache group spec")
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 0:
         raise HitLookupError(f"max_length must be an int >= 0, got {max_length!r}")
-    groups = [_GroupLookup(g, spec, is_cached, registry or default_registry)
+    presence = is_cached if isinstance(is_cached, BlockPresence) else BlockPresence(is_cached)
+    groups = [_GroupLookup(g, spec, presence, registry or default_registry)
               for g, spec in enumerate(specs)]
     align = lcm(*(group.block_size for group in groups))
     candidate = max_length // align * align
@@ -94,7 +116,7 @@ def find_longest_cache_hit(
 class _GroupLookup:
     """One group's view during a lookup: its rule and its last answer (tokens)."""
 
-    def __init__(self, index: int, spec: KVCacheSpec, is_cached: IsCached,
+    def __init__(self, index: int, spec: KVCacheSpec, presence: BlockPresence,
                  registry: KVCacheSpecRegistry) -> None:
         self.index = index
         self.spec = _rule_spec(spec)
@@ -102,8 +124,8 @@ class _GroupLookup:
         self.rule: HitRule = registry.rules_for(self.spec).hit_rule
         self.downward_closed = bool(getattr(self.rule, "downward_closed", False))
         # A downward-closed rule is asked at most once, so it needs no memo.
-        raw = partial(is_cached, index)
-        self.is_cached = raw if self.downward_closed else _memoised(raw)
+        self.is_cached = _GroupBlocks(presence, index) if self.downward_closed else \
+            _MemoisedBlocks(partial(presence, index))
         self.last: int | None = None
 
     def answer(self, candidate: int) -> int:
@@ -125,16 +147,30 @@ class _GroupLookup:
         return self.last
 
 
-def _memoised(is_cached: Callable[[int], bool]) -> Callable[[int], bool]:
-    seen: dict[int, bool] = {}
+class _GroupBlocks(CachedBlocks):
+    """One group's view of a `BlockPresence`, its runs answered by the presence itself."""
 
-    def cached(block: int) -> bool:
-        hit = seen.get(block)
+    def __init__(self, presence: BlockPresence, group: int) -> None:
+        super().__init__(partial(presence, group))
+        self._presence, self._group = presence, group
+
+    def run(self, start: int, stop: int) -> int:
+        return self._presence.run(self._group, start, stop)
+
+
+class _MemoisedBlocks(CachedBlocks):
+    """Answers remembered: a rule asked again (after the candidate dropped) never queries a
+    block twice."""
+
+    def __init__(self, is_cached: Callable[[int], bool]) -> None:
+        super().__init__(is_cached)
+        self._seen: dict[int, bool] = {}
+
+    def __call__(self, block: int) -> bool:
+        hit = self._seen.get(block)
         if hit is None:
-            hit = seen[block] = bool(is_cached(block))
+            hit = self._seen[block] = bool(self._is_cached(block))
         return hit
-
-    return cached
 
 
 def _rule_spec(spec: KVCacheSpec) -> KVCacheSpec:

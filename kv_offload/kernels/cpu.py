@@ -68,7 +68,7 @@ def choose(plan: GroupPlan, row_bytes: int, src_rows: int,
     `src_rows` bounds the source ids."""
     n, total = plan.num_pairs, plan.num_pairs * row_bytes
     ideal = total / COPY_RATE  # moving the bytes, with no overhead at all
-    costs = {"runs": len(plan.runs) * CALL_US + ideal}
+    costs = {"runs": _count_runs(plan) * CALL_US + ideal}
     by_src = None
     if only or costs["runs"] > 1.05 * ideal:
         rows = n * ROW_US + ideal
@@ -83,6 +83,14 @@ def choose(plan: GroupPlan, row_bytes: int, src_rows: int,
         raise ValueError(f"unknown copy strategy {only!r}; expected one of {sorted(costs)}")
     name = only or min(costs, key=costs.__getitem__)
     return name, _row_groups(name, plan, by_src)
+
+
+def _count_runs(plan: GroupPlan) -> int:
+    """len(plan.runs), without building them (3 ms for 128k scattered pairs, mostly
+    wasted when another strategy wins)."""
+    if not plan.num_pairs:
+        return 0
+    return 1 + int(np.count_nonzero((np.diff(plan.src) != 1) | (np.diff(plan.dst) != 1)))
 
 
 def _count_stretches(ids: np.ndarray) -> int:

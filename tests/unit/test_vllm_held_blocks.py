@@ -4,7 +4,8 @@ by key, and a lookup that misses early reads one chunk of the prompt, not all of
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+import torch
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
@@ -34,7 +35,7 @@ def test_every_answer_is_whether_every_rank_holds_that_blocks_key(held_by_rank, 
         assert is_cached(0, block) is expected
 
 
-def test_a_lookup_that_misses_at_block_0_reads_one_chunk_of_a_long_prompt():
+def test_a_lookup_that_misses_at_block_0_reads_the_first_small_chunk_of_a_long_prompt():
     class Counting(RankKeys):
         asked = 0
 
@@ -46,4 +47,54 @@ def test_a_lookup_that_misses_at_block_0_reads_one_chunk_of_a_long_prompt():
     keys.apply(0, [], b"")
     is_cached = HeldBlocks(keys, [HASHES])
     assert is_cached(0, 0) is False
-    assert Counting.asked == HeldBlocks.CHUNK < len(HASHES)
+    assert Counting.asked == HeldBlocks.FIRST_CHUNK < len(HASHES)
+    learned = []  # asking each first unknown block in turn: chunks double up to CHUNK
+    while Counting.asked < len(HASHES):
+        assert is_cached(0, Counting.asked) is False
+        learned.append(Counting.asked)
+    assert learned == [32, 64, 128, 256, 512, 600]
+
+
+ALL = frozenset(range(len(HASHES)))
+HELD = st.one_of(st.sets(st.integers(0, len(HASHES) - 1), max_size=300),  # sparse, or
+                 st.sets(st.integers(0, len(HASHES) - 1), min_size=1, max_size=2).map(
+                     ALL.difference))  # (long runs: across chunks)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(HELD, min_size=1, max_size=3),
+       st.lists(st.tuples(st.integers(0, len(HASHES) + 5), st.integers(0, len(HASHES) + 5),
+                          st.booleans()), max_size=20))
+@example([ALL - {300}], [(10, len(HASHES), False)])  # a run that crosses a chunk
+def test_a_run_counts_the_blocks_every_rank_holds_up_to_the_first_that_one_does_not(
+        held_by_rank, asked):
+    is_cached = HeldBlocks(keys_with(held_by_rank), [HASHES])
+    for start, stop, single in asked:  # runs and single answers interleaved, any order
+        if single:
+            assert is_cached(0, start) is (
+                start < len(HASHES) and all(start in held for held in held_by_rank))
+            continue
+        expected = 0
+        while start + expected < min(stop, len(HASHES)) and all(
+                start + expected in held for held in held_by_rank):
+            expected += 1
+        assert is_cached.run(0, start, stop) == expected
+
+
+def test_a_full_attention_hit_of_many_blocks_is_found_without_asking_block_by_block():
+    from kv_offload import find_longest_cache_hit
+    from kv_offload.specs import FullAttentionSpec
+
+    class Counting(HeldBlocks):
+        singles = 0
+
+        def _held(self, group, block):
+            Counting.singles += 1
+            return super()._held(group, block)
+
+    held = set(range(len(HASHES))) - {530}
+    is_cached = Counting(keys_with([held, held]), [HASHES])
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    hit = find_longest_cache_hit([spec], is_cached, len(HASHES) * 16)
+    assert hit.num_tokens == 530 * 16
+    assert Counting.singles == 0
