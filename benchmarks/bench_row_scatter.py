@@ -1,0 +1,181 @@
+"""How fast can 2 KiB pages be scattered into random engine blocks on this machine?
+
+Issue 23 asks loads of 2 KiB pages (`kv-offload bench --backend cpu --page-kib 2`) to reach
+0.5x of a plain torch copy, or a profile showing why the machine cannot. This measures, side
+by side in one process on the same buffers (an engine of 2N rows of 2 KiB, a pool of N rows;
+the pool's rows go to a random half of the engine's rows, as that bench's load does):
+
+  plain               one torch copy of the same bytes (the 1.0 every ratio is to)
+  numpy_1 / numpy_2   numpy's fancy-index row assignment (`engine[ids] = pool`), the
+                      primitive our CPU copier's "scatter" strategy runs, on 1 and 2 threads
+  torch_index_copy    torch's `index_copy_` on 2 threads (its own intra-op threads)
+  copier              our `CpuCopier` moving the same plan (its plan built beforehand)
+  job                 a whole load job through `CpuBackend` (planning included)
+  c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
+                      if there is one; skipped otherwise): what the memory system allows
+                      without an interpreter in the way
+
+    python benchmarks/bench_row_scatter.py --json row-scatter.json
+
+Each figure is the best of `--repeats`, the whole run repeated `--runs` times; the table has
+the median over runs of each ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PAGE = 2048
+C_PROBE = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+static char *eng, *pool; static long *ids; static long n;
+typedef struct { long lo, hi; } share_t;
+static void *work(void *p) { share_t *s = p;
+  for (long i = s->lo; i < s->hi; i++) memcpy(eng + ids[i] * PAGE, pool + i * PAGE, PAGE);
+  return 0; }
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9; }
+int main(int argc, char **argv) {
+  n = atol(argv[1]); int threads = atoi(argv[2]), repeats = atoi(argv[3]);
+  eng = aligned_alloc(4096, 2 * n * PAGE); pool = aligned_alloc(4096, n * PAGE);
+  memset(eng, 1, 2 * n * PAGE); memset(pool, 2, n * PAGE);
+  ids = malloc(n * sizeof(long)); FILE *f = fopen(argv[4], "rb");
+  if (fread(ids, sizeof(long), n, f) != (size_t)n) return 1;
+  double best = 1e9, plain = 1e9;
+  for (int r = 0; r < repeats; r++) {
+    double t0 = now(); memcpy(eng, pool, n * PAGE); double t = now() - t0;
+    if (t < plain) plain = t;
+    pthread_t th[16]; share_t s[16]; t0 = now();
+    for (int k = 0; k < threads; k++) { s[k].lo = n * k / threads; s[k].hi = n * (k + 1) / threads;
+      pthread_create(&th[k], 0, work, &s[k]); }
+    for (int k = 0; k < threads; k++) pthread_join(th[k], 0);
+    t = now() - t0; if (t < best) best = t; }
+  printf("%f %f\n", plain, best); return 0; }
+"""
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        time.sleep(0.05)  # (torch's OpenMP threads stop spinning)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def on_threads(fn, parts: int, n: int):
+    def run() -> None:
+        bounds = [n * k // parts for k in range(parts + 1)]
+        threads = [threading.Thread(target=fn, args=(a, b)) for a, b in zip(bounds, bounds[1:])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return run
+
+
+def c_probe(ids: np.ndarray, threads: int, repeats: int) -> float | None:
+    """The C memcpy loop's time / a C memcpy of the same bytes (None: no compiler)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe, id_file = Path(tmp, "probe.c"), Path(tmp, "probe"), Path(tmp, "ids")
+        src.write_text(C_PROBE.replace("PAGE", str(PAGE)))
+        subprocess.run([cc, "-O2", "-o", str(exe), str(src), "-lpthread"], check=True)
+        ids.astype(np.int64).tofile(id_file)
+        out = subprocess.run([str(exe), str(ids.size), str(threads), str(repeats), str(id_file)],
+                             check=True, capture_output=True, text=True).stdout.split()
+    plain, scatter = map(float, out)
+    return plain / scatter
+
+
+def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
+    from kv_offload.backends.cpu import CpuBackend
+    from kv_offload.canonical import canonicalize
+    from kv_offload.tools.bench_cpu import fill_pattern, synthetic_model
+    from kv_offload.transfer import Direction
+
+    model = synthetic_model(PAGE // 1024, 1, 2 * n, "LBNHC")
+    canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)
+    backend = CpuBackend(canonical, n * PAGE)
+    try:
+        fill_pattern(model.buffer)
+        backend.pool.fill_(3)
+        ids = np.random.default_rng(seed).permutation(2 * n)[:n]
+        engine = model.buffer.view(2 * n, PAGE)
+        pool = backend.pool.view(-1)[:n * PAGE].view(n, PAGE)
+        engine_np, pool_np = engine.numpy(), pool.numpy()
+        loads = {0: (ids, np.arange(n))}
+        plan = backend.copier.plan(Direction("load"), loads)
+        copier = backend.copier._cpu  # (the executor itself, its plan built above)
+
+        def numpy_part(a: int, b: int) -> None:
+            engine_np[ids[a:b]] = pool_np[a:b]
+
+        def job() -> None:
+            (result,) = backend.wait([backend.submit_load(loads)])
+            assert result.success
+
+        ids_t = torch.from_numpy(ids)
+        plain = best_of(lambda: engine.view(-1)[:n * PAGE].copy_(pool.view(-1)), repeats)
+        figures = {
+            "numpy_1": best_of(lambda: numpy_part(0, n), repeats),
+            "numpy_2": best_of(on_threads(numpy_part, 2, n), repeats),
+            "torch_index_copy": best_of(lambda: engine.index_copy_(0, ids_t, pool), repeats),
+            "copier": best_of(lambda: copier.copy(plan), repeats),
+            "job": best_of(job, repeats),
+        }
+        ratios = {name: plain / t for name, t in figures.items()}
+        ratios["plain_gbps"] = n * PAGE / plain / 1e9
+        for threads in (1, 2):
+            ratio = c_probe(ids, threads, repeats)
+            if ratio is not None:
+                ratios[f"c_{threads}"] = ratio
+        return ratios
+    finally:
+        backend.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=131072, help="pool rows (256 MiB)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    runs = [one_run(args.rows, args.repeats, seed) for seed in range(args.runs)]
+    names = list(runs[0])
+    print(f"2 KiB rows scattered into a random half of {2 * args.rows} engine rows; "
+          f"ratio to a plain copy of the same bytes; median of {args.runs} runs "
+          f"(each the best of {args.repeats}); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'':18s} {'median':>7s}  runs")
+    for name in names:
+        values = [run[name] for run in runs if name in run]
+        print(f"{name:18s} {statistics.median(values):7.2f}  "
+              + " ".join(f"{v:.2f}" for v in values))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": args.rows, "page": PAGE, "runs": runs},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
