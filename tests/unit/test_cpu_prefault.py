@@ -85,3 +85,25 @@ def test_the_tiered_store_moves_the_window_as_its_manager_hands_out_slots(canoni
         assert prefaulter.wait_until(32 * slot, WAIT_S)
     finally:
         store.close()
+
+
+def test_with_most_of_the_window_left_the_refill_waits_until_demand_pauses(canonical,
+                                                                           monkeypatch):
+    # (the window moves when a hit stages into new slots: its reads must not share the cores
+    # with the kernel zeroing pages; a quarter of the window is still ahead here)
+    import time
+
+    from kv_offload.backends.cpu import prefault
+
+    monkeypatch.setattr(prefault, "AHEAD_BYTES", 32 << 20)  # 32 slots of 1 MiB, of 64
+    with CpuBackend(canonical, 64 << 20, pin=False) as backend:
+        prefaulter, slot = backend.prefaulter, backend.slot_bytes
+        prefaulter._settle_s = 2.0  # (generous: this thread must ask more often than that)
+        assert prefaulter.wait_until(32 * slot, WAIT_S)  # the first window: at once
+        for high_water in range(1, 9):  # demand keeps coming; 24+ slots stay ahead
+            backend.slots_in_use_below(high_water)
+            time.sleep(0.05)
+        assert prefaulter.populated == 32 * slot
+        assert prefaulter.wait_until(40 * slot, WAIT_S)  # then it fills, demand paused
+        backend.slots_in_use_below(36)  # under a quarter left ahead: at once
+        assert prefaulter.wait_until(64 * slot, 1.5)
