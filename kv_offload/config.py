@@ -60,9 +60,10 @@ class OffloadConfig:
     """A hit (within in_step_load_bytes) that reads blocks from the storage tier also loads
     inside the step when that read is expected to take at most this long: its storage bytes
     per rank over the slowest rank's measured read throughput (the fastest of its last 8
-    reads: `kv_offload.read_rate`). Unmeasured (no read yet) or
-    slower: asynchronous, so a large read never stalls the batch. 0: storage reads always
-    asynchronous."""
+    reads: `kv_offload.read_rate`; a probe read measures a storage tier that holds keys at
+    start-up: `kv_offload.tiering_probe`). Unmeasured (no read yet) or slower: asynchronous,
+    so a large read never stalls the batch. 0: storage reads always asynchronous (and no
+    probe read)."""
     layer_wise: bool = False
     """In-step loads and stores move layer by layer through vLLM's per-layer hooks (the
     forward of layer i overlaps the copies of the other layers) where the KV cache can be

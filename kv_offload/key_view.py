@@ -20,6 +20,7 @@ hash (int hashes as 32 bytes, little endian).
 
 from __future__ import annotations
 
+import itertools
 import secrets
 
 from kv_offload.types import HOST_BIT, STORAGE_BIT, KeyChange, KeyChanges, Location, OffloadKey
@@ -84,6 +85,14 @@ class KeyView:
     def in_storage(self, key: OffloadKey) -> bool:
         block_hash, group = key
         return block_hash in self._storage.get(group, _EMPTY)
+
+    def storage_sample(self, n: int) -> list[OffloadKey]:
+        """Up to `n` keys the storage tier holds (some may be in host memory too), the last
+        found first. O(n)."""
+        sample: list[OffloadKey] = []
+        for group, hashes in self._storage.items():
+            sample += ((h, group) for h in itertools.islice(reversed(hashes), n - len(sample)))
+        return sample
 
     def host_added(self, keys) -> None:
         self._add(self._host, keys)

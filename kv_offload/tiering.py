@@ -47,15 +47,17 @@ from kv_offload.manager import OffloadManager
 from kv_offload.read_rate import ReadRate
 from kv_offload.tiering_jobs import (
     Load,
+    Probe,
     Read,
+    StorageJob,
     Store,
     StorePiece,
     TieredResult,
     TierUsage,
-    WriteThrough,
     targets_of,
 )
 from kv_offload.tiering_loads import LoadPipeline
+from kv_offload.tiering_probe import PROBE_BYTES, ReadProbe
 from kv_offload.tiering_stores import StorePipeline
 from kv_offload.tp_records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
@@ -74,7 +76,7 @@ def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
         repr((FILE_FORMAT_VERSION, canonical.layout_signature(), layers, extra)).encode())
 
 
-class TieredStore(LoadPipeline, StorePipeline):
+class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
     """Host slots (with their manager) in front of an optional `StorageTier`."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
@@ -82,7 +84,7 @@ class TieredStore(LoadPipeline, StorePipeline):
                  pin: bool | None = None, read_timeout_s: float = 30.0,
                  staging_slots: int | None = None, store_stage_timeout_s: float = 1.0,
                  report_storage_copies: bool = False, codec: RecordCodec = CHECKSUM,
-                 fingerprint: str = "") -> None:
+                 fingerprint: str = "", probe_bytes: int = 0) -> None:
         self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
@@ -112,13 +114,15 @@ class TieredStore(LoadPipeline, StorePipeline):
         # Keys of stores not yet ended (how many stores carry each): a load of such a key
         # waits for it instead of failing (the scheduler counts planned stores as hits).
         self._storing: Counter[OffloadKey] = Counter()
-        self._storage_jobs: dict[int, Read | WriteThrough] = {}
+        self._storage_jobs: dict[int, StorageJob] = {}
         self._new_loads: list[Load] = []  # submitted, not yet planned
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
         # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
         self._key_failures: Counter[Direction] = Counter()
         self.read_rate = ReadRate()  # the storage tier's measured read throughput
+        self.probe_bytes = probe_bytes  # 0: no probe read (tiering_probe; on in from_config)
+        self._probe_state, self._probe_next, self._probe_after = "idle", "done", 0.0
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
@@ -136,10 +140,10 @@ class TieredStore(LoadPipeline, StorePipeline):
         storage = make_storage_tier(config, fingerprint, codec)  # fs_root_dir or storage_tier
         if storage is not None and records is not None:
             storage = TPRecordTier(storage, records)
-        return cls(canonical, config.cpu_bytes_to_use, storage=storage,
-                   eviction_policy=config.eviction_policy,
-                   report_storage_copies=report_storage_copies, codec=codec,
-                   fingerprint=fingerprint)
+        return cls(canonical, config.cpu_bytes_to_use, storage=storage, codec=codec,
+                   eviction_policy=config.eviction_policy, fingerprint=fingerprint,
+                   report_storage_copies=report_storage_copies,
+                   probe_bytes=PROBE_BYTES if config.in_step_read_s > 0 else 0)
 
     # --- queries (memory only) ---
 
@@ -271,6 +275,7 @@ class TieredStore(LoadPipeline, StorePipeline):
         self._guarded("store staging", self._advance_staged_stores, None)
         self.cpu.slots_in_use_below(self.manager.high_water)  # (host pages ahead of use)
         self._guarded("storage change feed", self._absorb_storage_changes, None)
+        self._guarded("read probe", self._probe_storage, None)
         done, self._done = self._done, []
         return done
 
@@ -346,9 +351,11 @@ class TieredStore(LoadPipeline, StorePipeline):
         else:
             self._load_copied(*record, success)
 
-    def _storage_done(self, record: Read | WriteThrough, succeeded: Sequence[bool]) -> None:
+    def _storage_done(self, record: StorageJob, succeeded: Sequence[bool]) -> None:
         if isinstance(record, Read):
             self._read_done(record, succeeded)
+        elif isinstance(record, Probe):
+            self._probe_done(record, succeeded)
         else:
             self._write_done(record, succeeded)
 

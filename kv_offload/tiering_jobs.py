@@ -102,6 +102,19 @@ class WriteThrough:
     generation: bytes
 
 
+@dataclass
+class Probe:
+    """Storage keys read into free host slots to measure the storage tier before any load
+    needs it (`kv_offload.tiering_probe`); no load waits for them."""
+
+    keys: tuple[OffloadKey, ...]
+    generation: bytes
+    started: float
+
+
+StorageJob = Read | WriteThrough | Probe  # what a storage tier's job id stands for
+
+
 def targets_of(requests: GroupBlocks) -> dict[OffloadKey, list[int]]:
     """key -> engine block ids, from `{group: (hashes, block ids)}`."""
     targets: dict[OffloadKey, list[int]] = {}

@@ -15,8 +15,10 @@ A hit loads in-step only when that is both safe and cheap (else asynchronously, 
   tier (disk, a shared store), the read is expected to take at most `in_step_read_s`: those
   bytes on a rank over that rank's measured read throughput (`kv_offload.read_rate`, in
   each rank's report), the slowest rank deciding. A rank that has not yet read anything
-  has no figure: asynchronous (its first read measures the tier). A read inside the step
-  stalls every request of the batch for its duration, so large reads stay asynchronous;
+  has no figure: asynchronous (a probe read at start-up measures a storage tier that
+  already holds keys: kv_offload.tiering_probe; else its first read measures the tier).
+  A read inside the step stalls every request of the batch for its duration, so large
+  reads stay asynchronous;
 - the model has one KV-cache group of attention layers: a failed in-step load is reported
   to vLLM as block ids (`get_block_ids_with_load_errors`, which vLLM 0.32 refuses for
   models with several groups), and Mamba-type groups in prefix-caching align mode need the

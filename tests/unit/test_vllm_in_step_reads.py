@@ -16,6 +16,7 @@ from test_vllm_worker_side import (  # noqa: E402
     Engine,
     block_hash,
     make_worker,
+    poll_until,
     same_bytes,
     store,
     wait_for_changes,
@@ -24,10 +25,11 @@ from test_vllm_worker_side import (  # noqa: E402
 
 from kv_offload.config import parse_config  # noqa: E402
 from kv_offload.errors import ConfigError  # noqa: E402
+from kv_offload.types import Location  # noqa: E402
 from kv_offload.vllm.worker_side import IDLE_WAIT_S  # noqa: E402
 
 
-def _on_disk_only(workers, tmp_path, salt: bytes):
+def _on_disk_only(workers, tmp_path, salt: bytes, **options):
     """A rank whose disk holds 4 blocks another process stored; the engine forgot them."""
     engine = Engine()
     first = make_worker(engine, tmp_path)
@@ -37,19 +39,33 @@ def _on_disk_only(workers, tmp_path, salt: bytes):
     store(first, {0: (hashes, [1, 2, 3, 4])})
     first.shutdown()  # finishes the write-through to disk
     engine.zero(0, range(1, 12))
-    second = make_worker(engine, tmp_path)  # a new process over the same directory
+    second = make_worker(engine, tmp_path, **options)  # a new process, the same directory
     workers.append(second)
     wait_for_changes(second, {(h, 0): ON_DISK for h in hashes})
     return engine, second, hashes, originals
 
 
-def test_a_rank_reports_its_measured_read_rate_once_it_has_read(workers, tmp_path):
+def test_a_rank_measures_its_read_rate_before_its_first_load_and_reports_it(workers,
+                                                                            tmp_path):
+    # A new process over a full directory: its storage tier is measured by a probe read
+    # (kv_offload.tiering_probe), so the first hit can already load in-step.
     _, worker, hashes, _ = _on_disk_only(workers, tmp_path, b"rate")
+    poll_until(lambda: worker.report().reports[0].read_bytes_per_s > 0,
+               lambda: "the rank never measured its storage tier")
+    rate = worker.report().reports[0].read_bytes_per_s
+    assert 0 < rate < 1e12  # bytes per second, from the read's bytes over its wall time
+    with worker._lock:  # the probe moved nothing: every block still only on disk
+        assert worker.store.lookup([(h, 0) for h in hashes]) == [Location.STORAGE] * 4
+
+
+def test_without_storage_reads_in_step_there_is_no_probe_and_a_load_measures(workers,
+                                                                            tmp_path):
+    _, worker, hashes, _ = _on_disk_only(workers, tmp_path, b"rate-off", in_step_read_s=0)
+    time.sleep(1.5)  # (the pump's polls: a probe would have read by now)
     assert worker.report().reports[0].read_bytes_per_s == 0.0  # nothing read: no figure
     worker.start_loads({"r": {0: (hashes, [5, 6, 7, 8])}})
     assert wait_loads(worker, {"r"}) == ({"r"}, set())
-    rate = worker.report().reports[0].read_bytes_per_s
-    assert 0 < rate < 1e12  # bytes per second, from the read's bytes over its wall time
+    assert worker.report().reports[0].read_bytes_per_s > 0
 
 
 def test_an_in_step_load_from_disk_is_in_engine_memory_when_start_loads_returns(workers,
