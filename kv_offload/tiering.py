@@ -121,8 +121,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
         self._key_failures: Counter[Direction] = Counter()
         self.read_rate = ReadRate()  # the storage tier's measured read throughput
-        self.probe_bytes = probe_bytes  # 0: no probe read (tiering_probe; on in from_config)
-        self._probe_state, self._probe_next, self._probe_after = "idle", "done", 0.0
+        self._init_probe(probe_bytes)  # 0: no probe read (on in from_config)
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,

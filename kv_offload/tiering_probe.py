@@ -10,16 +10,17 @@ asynchronously against 60 to 65 ms for the same hit in-step a moment later.
 
 So, once the storage tier has shown keys (its start-up inventory streams into the view) and
 nothing has been read yet, the store reads a few of them into free host slots itself: first
-one key (the read path's first use pays its one-time costs), then up to `probe_bytes` (and
-`PROBE_KEYS`), the
-way a load's staged read would, and records both as read-rate samples. Then it frees the
+one key (the read path's first use pays its one-time costs), then `ROUNDS` times, a second
+apart, up to `probe_bytes` (and `PROBE_KEYS`) the way a load's staged read would, each a
+read-rate sample (the fastest counts: vLLM's start-up work, e.g. a CPU engine's warm-up
+forward, slowed a probe read beside it to a quarter of the tier's speed). Then it frees the
 slots: a probe changes what the tier measured, never where a key is served from (keeping
-the keys would make arbitrary keys host hits, and a disk hit's metrics lie), except for a
-key a load asked for while the probe read it: that load awaits the probe's read, as it
-would another load's, and the key stays in host memory for it. It runs only
-into free slots (it never evicts), once per process, and not at all where storage reads
-never load in-step (`in_step_read_s: 0`). A key the tier rejects counts as in any read (the
-tier discards it; the view forgets it).
+them would make arbitrary keys host hits, and a disk hit's metrics lie), except for a key
+a load asked for while the probe read it: that load awaits the probe's read, as it would
+another load's, and the key stays in host memory for it. A probe only fills free slots
+(never evicts), runs once per process, and not at all where storage reads never load
+in-step (`in_step_read_s: 0`). A key the tier rejects counts as in any read (the tier
+discards it; the view forgets it).
 """
 
 from __future__ import annotations
@@ -34,11 +35,19 @@ from kv_offload.types import Direction
 
 PROBE_BYTES = 8 << 20  # the measured probe read; about what a 16k-token hit reads per rank
 PROBE_KEYS = 64  # at most this many keys (small blocks; a shared store bills requests)
-RETRY_S = 1.0  # while there is nothing to probe, look again this often
+ROUNDS = 3  # measured reads, RETRY_S apart: the fastest counts (start-up work slows some)
+RETRY_S = 1.0  # between measured reads; and while there is nothing to probe, look again
 
 
 class ReadProbe:
     """The read-rate probe of `TieredStore`."""
+
+    def _init_probe(self, probe_bytes: int) -> None:
+        self.probe_bytes = probe_bytes
+        self._probe_state = "idle"  # -> reading -> measure -> reading ... -> done
+        self._probe_next = "done"  # the state once the read in flight lands
+        self._probe_after = 0.0  # no probe read starts before this (monotonic)
+        self._probe_rounds = 0  # measured reads started
 
     def _probe_storage(self) -> None:
         """At a poll: start the next probe read if one is due (O(1) when none is; at most
@@ -73,8 +82,9 @@ class ReadProbe:
             self._probe_state = "done"  # (a tier that cannot read: its loads will say so)
             raise
         self._probe_state = "reading"
-        self._probe_next = "measure" if warm_up else "done"
-        self._probe_after = 0.0
+        self._probe_rounds += 0 if warm_up else 1
+        self._probe_next = "done" if self._probe_rounds >= ROUNDS else "measure"
+        self._probe_after = now + (0.0 if warm_up else RETRY_S)
         self._storage_jobs[job] = probe
 
     def _probe_done(self, probe: Probe, succeeded: Sequence[bool]) -> None:

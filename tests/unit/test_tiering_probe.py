@@ -13,7 +13,7 @@ from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.backends.filesystem.fileformat import data_offset
 from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.tiering_jobs import Probe
-from kv_offload.tiering_probe import RETRY_S
+from kv_offload.tiering_probe import RETRY_S, ROUNDS
 from kv_offload.types import Location
 
 
@@ -53,10 +53,9 @@ def test_a_new_store_measures_its_storage_tier_before_any_load(tmp_path):
     one_key = canonical.slot_bytes_per_block(0)
     restarted = make_store(canonical, tmp_path, slots=8, probe_bytes=3 * one_key)
     poll_until_measured(restarted)
-    for _ in range(20):  # (the measured read lands after the warm-up read)
-        restarted.poll()
-    assert reads(restarted) == 1 + 3  # one warm-up key, then probe_bytes' worth
-    assert len(restarted.read_rate.samples) == 2
+    poll_for(restarted, (ROUNDS + 0.5) * RETRY_S)  # (the measured reads, a second apart)
+    assert reads(restarted) == 1 + ROUNDS * 3  # one warm-up key, then probe_bytes' worth
+    assert len(restarted.read_rate.samples) == 1 + ROUNDS
     # Measuring moved nothing: every key is still served from storage, all slots free.
     assert restarted.lookup(keys) == [Location.STORAGE] * len(keys)
     assert restarted.manager.num_free_slots == 8
