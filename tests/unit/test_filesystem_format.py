@@ -88,6 +88,36 @@ def test_every_single_bit_flip_in_a_header_is_caught():
             assert promised != digest, (pos, bit)
 
 
+def _full_check(head: bytes, key: bytes, fingerprint: str, data_len: int) -> str:
+    """check_header's acceptance by the full parse alone (no quick frame comparison)."""
+    info = parse_header(head)
+    if (info.key_hex, info.fingerprint, info.data_len) != (key.hex(), fingerprint, data_len):
+        raise FileFormatError("not this key's header")
+    return info.checksum
+
+
+def _outcome(check, *args):
+    try:
+        return "accepted", check(*args)
+    except FileFormatError:
+        return ("refused",)
+
+
+@pytest.mark.parametrize("digest", ["0123456789abcdef", "0123456789ABCDEF"])
+def test_the_quick_header_check_accepts_exactly_what_the_full_parse_accepts(digest):
+    """check_header first compares the header with the one written for this key, layout and
+    size (no JSON work); every single-bit change must get the full parse's verdict."""
+    header = build_header(KEY, FINGERPRINT, 777, digest)
+    assert check_header(header, KEY, FINGERPRINT, 777) == digest
+    used = 8 + struct.unpack_from("<Q", header)[0] - header.count(b" ")
+    for pos in list(range(used)) + list(range(used, len(header), 97)):
+        for bit in range(8):
+            flipped = bytearray(header)
+            flipped[pos] ^= 1 << bit
+            args = (bytes(flipped), KEY, FINGERPRINT, 777)
+            assert _outcome(check_header, *args) == _outcome(_full_check, *args), (pos, bit)
+
+
 def test_check_header_names_what_differs():
     header = build_header(KEY, FINGERPRINT, 777, "0123456789abcdef")
     assert check_header(header, KEY, FINGERPRINT, 777) == "0123456789abcdef"
