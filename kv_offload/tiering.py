@@ -57,7 +57,7 @@ from kv_offload.tiering_jobs import (
     targets_of,
 )
 from kv_offload.tiering_loads import LoadPipeline
-from kv_offload.tiering_probe import PROBE_BYTES, ReadProbe
+from kv_offload.tiering_probe import ReadProbe, probe_bytes_for
 from kv_offload.tiering_stores import StorePipeline
 from kv_offload.tp_records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
@@ -142,7 +142,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         return cls(canonical, config.cpu_bytes_to_use, storage=storage, codec=codec,
                    eviction_policy=config.eviction_policy, fingerprint=fingerprint,
                    report_storage_copies=report_storage_copies,
-                   probe_bytes=PROBE_BYTES if config.in_step_read_s > 0 else 0)
+                   probe_bytes=probe_bytes_for(config, len(canonical.group_refs)))
 
     # --- queries (memory only) ---
 

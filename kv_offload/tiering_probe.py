@@ -18,9 +18,9 @@ slots: a probe changes what the tier measured, never where a key is served from 
 them would make arbitrary keys host hits, and a disk hit's metrics lie), except for a key
 a load asked for while the probe read it: that load awaits the probe's read, as it would
 another load's, and the key stays in host memory for it. A probe only fills free slots
-(never evicts), runs once per process, and not at all where storage reads never load
-in-step (`in_step_read_s: 0`). A key the tier rejects counts as in any read (the tier
-discards it; the view forgets it).
+(never evicts), runs once per process, and not at all where no storage read loads in-step
+(`in_step_read_s` or `in_step_load_bytes` 0, or a model with several KV-cache groups). A
+key the tier rejects counts as in any read (the tier discards it; the view forgets it).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kv_offload.config import OffloadConfig
 from kv_offload.key_view import storage_key
 from kv_offload.manager import SlotState
 from kv_offload.tiering_jobs import Probe
@@ -37,6 +38,13 @@ PROBE_BYTES = 8 << 20  # the measured probe read; about what a 16k-token hit rea
 PROBE_KEYS = 64  # at most this many keys (small blocks; a shared store bills requests)
 ROUNDS = 3  # measured reads, RETRY_S apart: the fastest counts (start-up work slows some)
 RETRY_S = 1.0  # between measured reads; and while there is nothing to probe, look again
+
+
+def probe_bytes_for(config: OffloadConfig, num_groups: int) -> int:
+    """An engine's probe size: 0 where no storage read can load in-step, so nothing would
+    use the figure (the knobs off, or a model with several KV-cache groups)."""
+    in_step = min(config.in_step_read_s, config.in_step_load_bytes) > 0 and num_groups == 1
+    return PROBE_BYTES if in_step else 0
 
 
 class ReadProbe:

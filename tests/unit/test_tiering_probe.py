@@ -168,3 +168,25 @@ def test_a_load_of_a_key_the_probe_is_reading_shares_that_read(tmp_path):
     assert torch.equal(block_bytes(canonical, 0, 7), originals[key[0]])
     assert store.lookup([key]) == [Location.HOST]  # kept for the load that awaited it
     store.close()
+
+
+def test_engines_probe_only_where_a_storage_read_can_load_in_step(tmp_path):
+    from kv_offload.canonical import canonicalize
+    from kv_offload.config import parse_config
+    from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+    from kv_offload.testing.engine_alloc import allocate_kv_caches
+    from kv_offload.tiering_probe import PROBE_BYTES
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    groups = [KVCacheGroup(["a0", "a1"], spec)]
+    _, caches = allocate_kv_caches(groups, 8, "LBHNC")
+    one_group = canonicalize(caches, groups, 8)
+    _, two_groups = hybrid()
+    base = {"cpu_bytes_to_use": "8MiB", "fs_root_dir": str(tmp_path), "fs_bytes_to_use": "64MiB"}
+    cases = [(one_group, {}, PROBE_BYTES), (one_group, {"in_step_read_s": 0}, 0),
+             (one_group, {"in_step_load_bytes": 0}, 0), (two_groups, {}, 0)]
+    for canonical, extra, expected in cases:
+        store = TieredStore.from_config(canonical, parse_config({**base, **extra}),
+                                        layout_fingerprint(canonical))
+        assert store.probe_bytes == expected, extra
+        store.close()
