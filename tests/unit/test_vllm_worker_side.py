@@ -217,7 +217,11 @@ def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(workers, tmp_path
     first.shutdown()  # finishes the write-through to disk
 
     engine.zero(0, range(NUM_BLOCKS))
-    second = make_worker(engine, tmp_path)  # a new process over the same directory
+    # A new process over the same directory. No read probe (in_step_read_s=0): the probe
+    # reads keys from disk at start-up, and one it reads before the corruption below
+    # would (rightly) serve the bytes it verified; tests/unit/test_tiering_probe.py covers
+    # a probe that meets a corrupt file.
+    second = make_worker(engine, tmp_path, in_step_read_s=0)
     workers.append(second)
     assert wait_for_changes(second, {(h, 0): ON_DISK for h in hashes}) == {
         (h, 0): ON_DISK for h in hashes}
