@@ -27,6 +27,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+import torch
+
 from kv_offload.errors import BenchArgumentError, ConfigError
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS
@@ -38,7 +40,7 @@ COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
 TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes", "plot")
 # The flags each backend honours besides COMMON; any other flag given is refused.
 HONOURED: dict[str, tuple[str, ...]] = {
-    "cpu": ("model", "layers", "layout", "pattern"),
+    "cpu": ("model", "layers", "layout", "pattern", "device"),
     "filesystem": TIER_FLAGS,
     "valkey": (*TIER_FLAGS, "url", "cluster"),
     "s3": (*TIER_FLAGS, "endpoint_url", "bucket"),
@@ -75,6 +77,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     cpu.add_argument("--pattern", choices=["fresh", "scattered"], default=None,
                      help="slot ids: consecutive as a fresh manager hands them out (default), "
                           "or a random subset")
+    cpu.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                     help="where the engine's kv_caches live (default cpu); cuda: the GPU "
+                          "path (needs kv-offload[cuda]), the host pool pinned")
     tiers = parser.add_argument_group("--backend filesystem|valkey|s3|module:Class")
     tiers.add_argument("--fs-root", default=None,
                        help="a directory on the disk to measure, not tmpfs (default "
@@ -147,6 +152,10 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
                                      "too (an example --model has its own layers)")
         if args.model is not None and args.page_kib is not None:
             raise BenchArgumentError("--model and --page-kib both choose the model: give one")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise BenchArgumentError("--device cuda: torch sees no CUDA GPU here (a CUDA build "
+                                     "of torch and a GPU are needed); leave --device out to "
+                                     "measure the CPU path")
     if kind == "s3" and args.endpoint_url is None and args.bucket is not None:
         raise BenchArgumentError("--bucket names a bucket of --endpoint-url: give both "
                                  "(without them a loopback moto server is started)")

@@ -43,7 +43,8 @@ class Model:
     buffer: torch.Tensor
 
 
-def synthetic_model(page_kib: int, layers: int, num_blocks: int, layout: str) -> Model:
+def synthetic_model(page_kib: int, layers: int, num_blocks: int, layout: str,
+                    device: str = "cpu") -> Model:
     """One full-attention group of `layers` layers whose pages are `page_kib` KiB
     (16 bf16 tokens; 128-wide heads when the size allows, else one narrower head)."""
     if page_kib <= 0 or layers <= 0:
@@ -52,7 +53,7 @@ def synthetic_model(page_kib: int, layers: int, num_blocks: int, layout: str) ->
     spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=head,
                              dtype=torch.bfloat16)
     groups = [KVCacheGroup([f"layer.{i}" for i in range(layers)], spec)]
-    buffer, caches = allocate_kv_caches(groups, num_blocks, layout)
+    buffer, caches = allocate_kv_caches(groups, num_blocks, layout, device=device)
     return Model(f"synthetic-{page_kib}KiB-x{layers}", caches, groups, num_blocks, buffer)
 
 
@@ -66,19 +67,24 @@ def build_model(args: argparse.Namespace) -> tuple[Model, CanonicalKVCaches, int
         model = make(2 * per_group * len(probe.groups))  # room for gaps and other targets
         return model, canonicalize(model.kv_caches, model.groups, model.num_blocks), per_group
 
-    layout = args.layout or DEFAULT_LAYOUT
+    layout, device = args.layout or DEFAULT_LAYOUT, engine_device(args)
     if args.page_kib is not None:
         (page_kib,) = args.page_kib
-        return sized(lambda n: synthetic_model(page_kib, args.layers or 1, n, layout))
-    return sized(lambda n: example_model(args.model or DEFAULT_MODEL, n, layout))
+        return sized(lambda n: synthetic_model(page_kib, args.layers or 1, n, layout,
+                                               device))
+    return sized(lambda n: example_model(args.model or DEFAULT_MODEL, n, layout, device))
+
+
+def engine_device(args: argparse.Namespace) -> str:
+    return getattr(args, "device", None) or "cpu"
 
 
 def batch_mib(args: argparse.Namespace) -> float:
     return DEFAULT_BATCH_MIB if args.batch_mib is None else args.batch_mib
 
 
-def example_model(name: str, num_blocks: int, layout: str) -> Model:
-    m = build_example(name, num_blocks, layout=layout)
+def example_model(name: str, num_blocks: int, layout: str, device: str = "cpu") -> Model:
+    m = build_example(name, num_blocks, layout=layout, device=device)
     return Model(m.name, m.kv_caches, m.groups, m.num_blocks, m.buffer)
 
 
@@ -146,6 +152,7 @@ def bench_cpu(args: argparse.Namespace) -> dict:
         "groups": len(model.groups), "blocks": per_group * len(model.groups),
         "batch_bytes": total, "repeats": args.repeats, "samples": samples,
         "strategies": strategies, "torch_threads": torch.get_num_threads(),
+        "device": _device_name(model.buffer),
     }
 
 
@@ -168,20 +175,35 @@ def _direction(name: str):
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
     time.sleep(SETTLE_S)
+    _synchronize(dst, src)
     start = time.perf_counter()
     dst.copy_(src)
+    _synchronize(dst, src)  # a GPU copy to or from pinned memory may return early
     return time.perf_counter() - start
+
+
+def _synchronize(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
 
 
 def _run_job(backend, submit, transfers, failed: FailedBlocks) -> float:
     """Submit one job, wait for it; its wall time (queueing included)."""
     start = time.perf_counter()
-    (result,) = backend.wait([submit(transfers)])
+    # After the engine's work so far, as the connector submits (GPU: an event on the
+    # current stream; CPU: nothing to wait for).
+    (result,) = backend.wait([submit(transfers, ready=backend.engine_ready())])
     elapsed = time.perf_counter() - start
     if not result.success:
         failed.count += sum(len(blocks) for _, blocks in result.failed_blocks) or sum(
             len(blocks) for blocks, _ in transfers.values())
     return elapsed
+
+
+def _block_index(canonical: CanonicalKVCaches, blocks) -> torch.Tensor:
+    """Block ids as an index on the engine's device (a GPU tensor takes a GPU index)."""
+    return torch.from_numpy(np.asarray(blocks)).to(canonical.tensors[0].tensor.device)
 
 
 def _slot_offsets(canonical: CanonicalKVCaches, group: int) -> list[int]:
@@ -197,30 +219,36 @@ def _verify(backend, canonical: CanonicalKVCaches, model: Model, stores, loads,
     _run_job(backend, backend.submit_store, stores, failed)
     bad = 0
     for g, (blocks, slots) in stores.items():
-        b, s = torch.from_numpy(np.asarray(blocks)), torch.from_numpy(backend.pool_rows(slots))
+        b, s = _block_index(canonical, blocks), torch.from_numpy(backend.pool_rows(slots))
         for ref, off in zip(canonical.group_refs[g], _slot_offsets(canonical, g)):
             engine = canonical.tensors[ref.tensor_idx].tensor
             page = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)
             host = slice(off, off + ref.page_size_bytes)
-            bad += int((pool[s, host] != engine[b, page]).sum())
+            bad += int((pool[s, host] != engine[b, page].cpu()).sum())
             pool[s, host] = POOL_FILL
     bad += int((pool != POOL_FILL).sum())  # padding and unused slots untouched
     _run_job(backend, backend.submit_store, stores, failed)
     model.buffer.fill_(ENGINE_FILL)
     _run_job(backend, backend.submit_load, loads, failed)
     for g, (blocks, slots) in loads.items():
-        b, s = torch.from_numpy(np.asarray(blocks)), torch.from_numpy(backend.pool_rows(slots))
+        b, s = _block_index(canonical, blocks), torch.from_numpy(backend.pool_rows(slots))
         for ref, off in zip(canonical.group_refs[g], _slot_offsets(canonical, g)):
             engine = canonical.tensors[ref.tensor_idx].tensor
             page = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)
-            bad += int((engine[b, page] != pool[s, off:off + ref.page_size_bytes]).sum())
+            bad += int((engine[b, page].cpu() != pool[s, off:off + ref.page_size_bytes]).sum())
             engine[b, page] = ENGINE_FILL
     return bad + int((model.buffer != ENGINE_FILL).sum())  # nothing else written
 
 
+def _device_name(buffer: torch.Tensor) -> str:
+    if buffer.device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(buffer.device)}"
+    return "cpu"
+
+
 def cpu_table(r: dict) -> Table:
     table = Table(
-        f"kv-offload bench: backend=cpu model={r['model']} layout={r['layout']} "
+        f"kv-offload bench: backend=cpu ({r['device']}) model={r['model']} layout={r['layout']} "
         f"pattern={r['pattern']}: {r['blocks']} blocks in {r['groups']} group(s), "
         f"{r['layers_per_group']} layers x {r['page_bytes']} B pages, "
         f"{r['batch_bytes'] / MIB:.1f} MiB per job, best of {r['repeats']}",
