@@ -151,7 +151,8 @@ def timed(rig: Rig, copier: BlockCopier, plan, path: str | None, repeats: int):
     return statistics.median(enqueue), statistics.median(wall)
 
 
-def measure(rig: Rig, case: Case, blocks: int, pattern: str, repeats: int, rng) -> list[dict]:
+def measure(rig: Rig, case: Case, blocks: int, pattern: str, repeats: int, rng,
+            paths=PATHS) -> list[dict]:
     num_blocks, num_slots = 2 * blocks, 2 * blocks
     buffer, canonical = rig.engine(case, num_blocks)
     layout = HostSlotLayout.from_canonical(canonical)
@@ -162,7 +163,7 @@ def measure(rig: Rig, case: Case, blocks: int, pattern: str, repeats: int, rng) 
              "load": copier.plan(Direction.LOAD, loads)}
     buffer.view(torch.int64).copy_(torch.arange(buffer.numel() // 8, device=buffer.device))
     rows, reference = [], {}
-    for path in PATHS:
+    for path in paths:
         forced = None if path == "auto" else path
         if path == "batch" and not copier.runtime.batch_available:
             continue
@@ -210,7 +211,7 @@ def summary(rows: list[dict]) -> list[dict]:
     for key in keys:
         cell = {r["path"]: r for r in rows
                 if (r["case"], r["blocks"], r["pattern"], r["direction"]) == key}
-        forced = {p: r for p, r in cell.items() if p != "auto"}
+        forced = {p: r for p, r in cell.items() if p != "auto"} or cell
         best = min(forced, key=lambda p: forced[p]["wall_us"])
         auto = cell.get("auto")
         out.append(dict(case=key[0], blocks=key[1], pattern=key[2], direction=key[3],
@@ -243,6 +244,17 @@ def print_table(rig: Rig, baseline: dict, rows: list[dict], cells: list[dict]) -
         print("  MISMATCH", r["case"], r["blocks"], r["pattern"], r["direction"], r["path"])
 
 
+def experiment(args: argparse.Namespace) -> None:
+    """Set the kernel's knobs for this process (what the flags measure)."""
+    from kv_offload.kernels import cuda, cuda_calls
+
+    if args.kernel_chunk_kib is not None:
+        cuda_calls.KERNEL_CHUNK_BYTES = cuda_calls.KERNEL_MIN_CHUNK_BYTES = \
+            args.kernel_chunk_kib << 10
+    if args.kernel_grid is not None:
+        cuda.MAX_GRID = args.kernel_grid
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host", action="store_true",
@@ -256,8 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip jobs larger than this")
     parser.add_argument("--baseline-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--kernel-chunk-kib", type=int, default=None,
+                        help="experiment: cut kernel copies to this fixed size (default: "
+                             "cuda_calls.kernel_chunk_bytes)")
+    parser.add_argument("--kernel-grid", type=int, default=None,
+                        help="experiment: at most this many thread blocks per launch "
+                             "(default: cuda.MAX_GRID)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    experiment(args)
     rig = Rig(args.host)
     rng = np.random.default_rng(0)
     baseline = pcie_baseline(rig, args.baseline_mib * MIB, args.repeats)
@@ -269,13 +289,15 @@ def main(argv: list[str] | None = None) -> int:
             if blocks * per_block > args.max_job_mib * MIB:
                 continue
             for pattern in args.patterns:
-                rows += measure(rig, case, blocks, pattern, args.repeats, rng)
+                rows += measure(rig, case, blocks, pattern, args.repeats, rng, args.paths)
                 print(f"  {case.name} {blocks} {pattern} done", file=sys.stderr, flush=True)
     cells = summary(rows)
     print_table(rig, baseline, rows, cells)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": rig.name(), "torch": torch.__version__,
+                       "kernel_chunk_kib": args.kernel_chunk_kib,
+                       "kernel_grid": args.kernel_grid,
                        "baseline": baseline, "repeats": args.repeats,
                        "statistic": "median of repeats (after one warm-up)",
                        "cells": cells, "rows": rows}, f, indent=1)

@@ -5,8 +5,9 @@ runs, building 2D calls, batch descriptors and kernel descriptors) for example-m
 jobs, with a runtime that counts the CUDA calls instead of making them. What it does
 not measure: the CUDA calls themselves, nor the copies. To put the two side by side,
 the table adds the enqueue cost the selection rule assumes for the calls issued
-(published per-call costs, `kv_offload/kernels/cuda_calls.py`): a GPU run must
-replace that column with measured numbers.
+(a 2D call's host time as measured on an H200, `cuda_calls.MEMCPY_CALL_US`; a batched
+copy's as measured there; a launch's published order of magnitude). The whole GPU
+path, measured on a GPU: `benchmarks/bench_cuda_paths.py`.
 
     python benchmarks/bench_cuda_submit.py --json bench-cuda-submit.json
 """
@@ -22,10 +23,12 @@ import torch
 
 from kv_offload import canonicalize
 from kv_offload.kernels import BlockCopier, CudaRuntime, Direction, EngineReady
-from kv_offload.kernels.cuda_calls import BATCH_CALL_US, BATCH_COPY_US, MEMCPY_CALL_US
+from kv_offload.kernels.cuda_calls import MEMCPY_CALL_US
 from kv_offload.testing.example_models import build_example
 
 KERNEL_LAUNCH_US = 5.0  # one kernel launch (published order of magnitude), for the model
+BATCH_CALL_US = 5.0  # one cudaMemcpyBatchAsync call (published) ...
+BATCH_COPY_US = 0.7  # ... plus this per copy: measured for stores on an H200 (loads: 1.7)
 
 
 class CountingRuntime(CudaRuntime):
@@ -135,7 +138,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "note": "ours_us measured on this host with no GPU; "
-                       "modelled_cuda_us = published per-call costs x calls issued"}, f, indent=1)
+                       "modelled_cuda_us = per-call costs (measured on an H200; "
+                       "a launch: published) x calls issued"}, f, indent=1)
 
 
 if __name__ == "__main__":

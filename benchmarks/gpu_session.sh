@@ -7,7 +7,7 @@
 #
 #   OUT=/tmp/gpu-session bash benchmarks/gpu_session.sh
 #
-# Writes session.log, tests.log, cuda_paths.json and bench_cpu.jsonl under $OUT.
+# Writes session.log, tests.log, cuda_paths*.json and bench_cpu.jsonl under $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -22,7 +22,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 python3 -c "import sys, torch, cupy, numpy; import cuda.bindings as cb
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'cupy', cupy.__version__, 'cuda-bindings', cb.__version__, 'numpy', numpy.__version__,
-      'driver', cupy.cuda.runtime.driverGetVersion())"
+      'driver', cupy.cuda.runtime.driverGetVersion())
+pool = torch.empty(1 << 20, dtype=torch.int8)
+torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
+print('a cudaHostRegister-ed tensor: torch is_pinned()', pool.is_pinned(), '; the driver:',
+      cupy.cuda.runtime.pointerGetAttributes(pool.data_ptr()).type, '(1: page-locked host)')"
 
 step "tests that need a GPU"
 timeout 300 "${PYTEST[@]}" tests/unit/test_gpu_device.py \
@@ -52,6 +56,12 @@ CudaJob.hold = lambda self, buffer: self._pool.release(buffer)" "descriptors"
 
 step "copy paths side by side (benchmarks/bench_cuda_paths.py)"
 timeout 300 python3 benchmarks/bench_cuda_paths.py --json "$OUT/cuda_paths.json"
+for knob in "chunk-kib 64" "grid 132" "grid 528"; do  # the kernel's knobs, kernel only
+    step "kernel with --kernel-$knob"
+    # shellcheck disable=SC2086
+    timeout 200 python3 benchmarks/bench_cuda_paths.py --paths kernel --kernel-$knob \
+        --json "$OUT/cuda_paths_${knob// /}.json" | tail -32
+done
 
 step "kv-offload bench --backend cpu --device cuda"
 for args in "--model llama-8b" "--model llama-8b --pattern scattered" \
@@ -65,5 +75,6 @@ for args in "--model llama-8b" "--model llama-8b --pattern scattered" \
 done
 
 step "the unit suite with a GPU present (no servers here: those tests skip)"
-timeout "${SUITE_S:-150}" "${PYTEST[@]}" -n 8 tests/unit 2>&1 | tail -15
+timeout "${SUITE_S:-150}" "${PYTEST[@]}" -n 8 --continue-on-collection-errors tests/unit 2>&1 \
+    | tail -25
 step "end"

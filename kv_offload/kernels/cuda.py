@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from kv_offload.kernels.cuda_calls import (
-    KERNEL_CHUNK_BYTES,
     Copies,
     Memcpy2DCalls,
     Path,
     choose_path,
     dma_calls,
+    kernel_chunk_bytes,
 )
 from kv_offload.kernels.geometry import Segment
 from kv_offload.kernels.plan import CopyPlan, Direction
@@ -208,7 +208,9 @@ class CudaCopier:
                 else:
                     pieces.append(calls.copies)
         if pieces:
-            self._launch(Copies.concat(pieces).chunked(KERNEL_CHUNK_BYTES), stream, job)
+            copies = Copies.concat(pieces)
+            self._launch(copies.chunked(kernel_chunk_bytes(int(copies.size.sum()))), stream,
+                         job)
 
     def _path(self, calls: Memcpy2DCalls, strategy: str | None) -> Path:
         return choose_path(calls, batch_available=self._batch,

@@ -8,16 +8,20 @@ on each side (`dma_calls`). The same rows as plain 1-D copies (`Copies`, rows me
 where they are contiguous on both sides) are the descriptors of a batched memcpy and,
 cut into chunks, the pieces of the copy kernel.
 
-The rule (`choose_path`), per segment, in one place. Its costs are published
-numbers, not yet measured on our GPU path (see the README):
-- `kernel` when there are more than `DMA_MAX_CALLS` pieces averaging under
-  `KERNEL_PIECE_BYTES`: copy engines pay a fixed cost per small copy, SMs do not;
-- else the DMA way with the cheaper enqueue: `MEMCPY_CALL_US` per 2D call, or
-  `BATCH_CALL_US + BATCH_COPY_US` per copy for one batched call (CUDA 12.8+);
-  a 2D call is only possible when both pitches are within the device's max pitch;
-- unless that enqueue costs more than moving the bytes (`PCIE_BYTES_PER_US`) and
-  more than `DMA_MAX_CALLS` 2D calls: then the CPU could not keep the copy engines
-  busy, and the kernel (one launch) takes it.
+The rule (`choose_path`), per segment, in one place, set from measurements on an
+NVIDIA H200 (PCIe gen 5 x16: 55 GB/s each way for one pinned buffer; driver 580, cupy
+14.2, cuda-bindings 13.3): `benchmarks/bench_cuda_paths.py`, docs/benchmarks.md.
+- Each way costs its enqueue plus its bytes at its measured rate: 2D copies
+  `MEMCPY_CALL_US` per call + bytes / `DMA_BYTES_PER_US`; the kernel
+  `KERNEL_LAUNCH_US` + bytes / `KERNEL_BYTES_PER_US`. The cheaper wins; a tie keeps
+  the 2D copies (they leave the SMs to the engine). So few long 2D copies (a prompt's
+  consecutive blocks into consecutive slots) go to the copy engines, and one copy per
+  block and page (scattered blocks) goes to the kernel, which moved 2 KiB pieces at
+  28 GB/s where 2D copies reached 1 GB/s.
+- A 2D call needs both pitches within the device's max pitch; else the kernel.
+- The batched memcpy is never the rule's choice: measured, it costs 0.7 us (stores) to
+  1.7 us (loads) of host time per copy and lost to the kernel in every cell. It stays
+  for `forced="batch"` (benchmarks, and other drivers' measurements).
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ import torch
 from kv_offload.errors import TransferError
 from kv_offload.kernels.plan import GroupPlan
 
-MEMCPY_CALL_US = 5.0  # one cudaMemcpy2DAsync / cudaMemcpyAsync enqueue (5-7 us published)
-BATCH_CALL_US = 5.0  # one cudaMemcpyBatchAsync call ...
-BATCH_COPY_US = 0.5  # ... plus this per copy in it (vLLM's measurement)
-PCIE_BYTES_PER_US = 25_000  # 25 GB/s: what one direction of the copy engines sustains
-DMA_MAX_CALLS = 64  # this many 2D calls are always cheap enough
-KERNEL_PIECE_BYTES = 16 << 10  # below this mean size, many pieces go to the kernel
-KERNEL_CHUNK_BYTES = 64 << 10  # kernel pieces are cut to this size (one thread block each)
+MEMCPY_CALL_US = 2.2  # host time of one cudaMemcpy2DAsync through cupy (2.0-2.5 measured)
+DMA_BYTES_PER_US = 50_000  # 2D copies of rows >= 32 KiB: 51 GB/s measured (narrow rows: less)
+KERNEL_LAUNCH_US = 60.0  # the kernel's fixed extra: descriptors, their table, the launch
+KERNEL_BYTES_PER_US = 45_000  # the kernel over pinned memory: 46-48 GB/s for >= 16 KiB pieces
+KERNEL_CHUNK_BYTES = 64 << 10  # the largest kernel piece (one thread block's turn)
+KERNEL_MIN_CHUNK_BYTES = 4 << 10  # ... and the smallest a copy is cut into
+KERNEL_TARGET_PIECES = 1024  # a small job is cut finer, to keep this many blocks busy
 
 
 class Path(enum.Enum):
@@ -146,6 +150,15 @@ def dma_calls(src: torch.Tensor, dst: torch.Tensor, plan: GroupPlan) -> Memcpy2D
     return Memcpy2DCalls(dst_addr, d_row, src_addr, s_row, nbytes, heights)
 
 
+def kernel_chunk_bytes(total_bytes: int) -> int:
+    """The size the kernel's copies are cut to for a job of `total_bytes`: at most
+    `KERNEL_CHUNK_BYTES`, smaller for small jobs so that they still spread over many
+    thread blocks (a read over PCIe waits microseconds; few blocks cannot hide it);
+    a multiple of 16, so pieces keep their 16-byte alignment."""
+    chunk = total_bytes // KERNEL_TARGET_PIECES // 16 * 16
+    return max(KERNEL_MIN_CHUNK_BYTES, min(KERNEL_CHUNK_BYTES, chunk))
+
+
 def choose_path(calls: Memcpy2DCalls, *, batch_available: bool, max_pitch: int,
                 forced: str | None = None) -> Path:
     """The way to move one segment's calls (see the module docstring). `forced`
@@ -162,18 +175,10 @@ def choose_path(calls: Memcpy2DCalls, *, batch_available: bool, max_pitch: int,
         if path is Path.BATCH and not batch_available:
             raise TransferError("the batched memcpy (cudaMemcpyBatchAsync) is not available")
         return path
-    pieces = calls.copy_count
-    if pieces == 0:
-        return Path.DMA if pitch_ok else Path.KERNEL
-    if pieces > DMA_MAX_CALLS and calls.num_bytes < pieces * KERNEL_PIECE_BYTES:
+    if not pitch_ok:
         return Path.KERNEL
-    costs = {}
-    if pitch_ok:
-        costs[Path.DMA] = calls.count * MEMCPY_CALL_US
-    if batch_available:
-        costs[Path.BATCH] = BATCH_CALL_US + pieces * BATCH_COPY_US
-    if not costs:
-        return Path.KERNEL
-    best = min(costs, key=costs.__getitem__)  # a tie keeps the 2D calls
-    budget = max(DMA_MAX_CALLS * MEMCPY_CALL_US, calls.num_bytes / PCIE_BYTES_PER_US)
-    return best if costs[best] <= budget else Path.KERNEL
+    if calls.count == 0:
+        return Path.DMA
+    dma_us = calls.count * MEMCPY_CALL_US + calls.num_bytes / DMA_BYTES_PER_US
+    kernel_us = KERNEL_LAUNCH_US + calls.num_bytes / KERNEL_BYTES_PER_US
+    return Path.DMA if dma_us <= kernel_us else Path.KERNEL

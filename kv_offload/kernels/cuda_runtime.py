@@ -3,8 +3,9 @@ events (so an event recorded on vLLM's torch stream is one we can wait on), NVID
 cuda-python for the batched memcpy (`cuda_batch.py`).
 
 Imported only when engine memory is on a GPU: cupy is optional (`kv_offload[cuda]`).
-Verified on the host only, through the same copier code driven by a host executor
-(tests/unit/host_cuda.py); no GPU run has been reported yet.
+Verified on the host through the same copier code driven by a host executor
+(tests/unit/host_cuda.py), and on an NVIDIA H200 (tests/unit/test_gpu_device.py,
+benchmarks/gpu_session.sh).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kv_offload.kernels.cuda_batch import BatchMemcpy, load_batch_memcpy
 from kv_offload.kernels.runtime import DEFAULT_MAX_PITCH, CudaRuntime, MemcpyAttributes
 
 _DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory the GPU can reach
 
 
 class CupyRuntime(CudaRuntime):
@@ -96,6 +98,13 @@ class CupyRuntime(CudaRuntime):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def check_host_pool(self, pool: torch.Tensor) -> None:
-        if pool.device.type != "cpu" or not pool.is_pinned():
+        if pool.device.type != "cpu" or not self.page_locked(pool):
             raise TransferError("the host pool must be pinned CPU memory for GPU copies "
-                                f"(got a {pool.device.type} tensor, pinned={pool.is_pinned()})")
+                                f"(got a {pool.device.type} tensor, not page-locked)")
+
+    def page_locked(self, tensor: torch.Tensor) -> bool:
+        """Whether the driver knows the tensor's bytes as page-locked host memory. The
+        driver is asked, not torch: on an H200 with torch 2.11, `is_pinned()` answered
+        False for our pool, page-locked with cudaHostRegister (GPU session, issue 27)."""
+        attributes = self._cupy.cuda.runtime.pointerGetAttributes(tensor.data_ptr())
+        return int(attributes.type) == _MEMORY_TYPE_HOST

@@ -14,8 +14,6 @@ import os
 
 import pytest
 
-from kv_offload.backends.valkey.local_server import BINARIES, server_binary
-
 _names = itertools.count()
 
 
@@ -25,6 +23,8 @@ def unique_name(stem: str) -> str:
 
 
 def _local_valkey(**kw):
+    from kv_offload.backends.valkey.local_server import BINARIES, server_binary
+
     if server_binary() is None:
         pytest.skip(f"no Valkey/Redis server binary ({' or '.join(BINARIES)}) on PATH; the "
                     f"README's test command installs Debian's redis-server")

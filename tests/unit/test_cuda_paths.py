@@ -17,11 +17,16 @@ from kv_offload import canonicalize
 from kv_offload.errors import CudaCallError, TransferError
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda_calls import (
-    DMA_MAX_CALLS,
-    KERNEL_PIECE_BYTES,
+    DMA_BYTES_PER_US,
+    KERNEL_BYTES_PER_US,
+    KERNEL_CHUNK_BYTES,
+    KERNEL_LAUNCH_US,
+    KERNEL_MIN_CHUNK_BYTES,
+    MEMCPY_CALL_US,
     Memcpy2DCalls,
     Path,
     choose_path,
+    kernel_chunk_bytes,
 )
 from kv_offload.kernels.runtime import DEFAULT_MAX_PITCH, MemcpyAttributes
 from kv_offload.testing.example_models import build_example
@@ -39,20 +44,38 @@ def calls(count: int, width: int, height: int = 1, pitch: int | None = None) -> 
 
 @pytest.mark.parametrize("work, batch, expected", [
     (calls(1, 2 * MiB), False, Path.DMA),  # one large copy
-    (calls(1, 2 * MiB), True, Path.DMA),  # one 2D call is as cheap as a batch of one
-    (calls(10, 64 * KiB), True, Path.BATCH),  # ten calls: one batch is cheaper
-    (calls(DMA_MAX_CALLS, 1 * KiB), False, Path.DMA),  # few small calls: still DMA
-    (calls(DMA_MAX_CALLS + 1, 1 * KiB), True, Path.KERNEL),  # many small pieces
-    (calls(2, 1 * KiB, height=100), True, Path.KERNEL),  # 200 small rows
-    (calls(1000, 64 * KiB), False, Path.KERNEL),  # enqueue outruns the copy engines
-    (calls(1000, 64 * KiB), True, Path.BATCH),  # ... unless batched
+    (calls(1, 2 * MiB), True, Path.DMA),  # ... the batch is never the rule's choice
+    (calls(32, 64 * KiB, height=64), True, Path.DMA),  # a long prompt, consecutive: 32 calls
+    (calls(32, 2 * KiB), True, Path.KERNEL),  # one block of small pages: 32 small calls
+    (calls(256, 64 * KiB), True, Path.KERNEL),  # 8 scattered blocks of 32 layers
+    (calls(2, 1 * KiB, height=100), False, Path.DMA),  # 2 calls: the engines walk the rows
     (calls(100, 1 * MiB), False, Path.DMA),  # big copies hide the enqueue cost
-    (calls(4, 64 * KiB, pitch=DEFAULT_MAX_PITCH + 1), False, Path.KERNEL),  # no 2D copy
-    (calls(4, 64 * KiB, pitch=DEFAULT_MAX_PITCH + 1), True, Path.BATCH),
+    (calls(4, 64 * KiB, pitch=DEFAULT_MAX_PITCH + 1), True, Path.KERNEL),  # no 2D copy
     (calls(0, 64 * KiB), False, Path.DMA),
 ])
-def test_choose_path_follows_the_documented_thresholds(work, batch, expected):
+def test_choose_path_follows_the_measured_costs(work, batch, expected):
     assert choose_path(work, batch_available=batch, max_pitch=DEFAULT_MAX_PITCH) is expected
+
+
+def test_the_rule_is_the_cheaper_of_its_two_costs():
+    """Around the crossover: the 2D calls win exactly while their cost is the lower."""
+    for count in range(1, 200):
+        work = calls(count, 64 * KiB)
+        dma = count * MEMCPY_CALL_US + work.num_bytes / DMA_BYTES_PER_US
+        kernel = KERNEL_LAUNCH_US + work.num_bytes / KERNEL_BYTES_PER_US
+        expected = Path.DMA if dma <= kernel else Path.KERNEL
+        assert choose_path(work, batch_available=True, max_pitch=DEFAULT_MAX_PITCH) is expected
+    assert choose_path(calls(1, 64 * KiB), batch_available=True,
+                       max_pitch=DEFAULT_MAX_PITCH) is Path.DMA
+    assert choose_path(calls(199, 64 * KiB), batch_available=True,
+                       max_pitch=DEFAULT_MAX_PITCH) is Path.KERNEL
+
+
+@pytest.mark.parametrize("total, chunk", [
+    (0, KERNEL_MIN_CHUNK_BYTES), (2 * MiB, KERNEL_MIN_CHUNK_BYTES), (16 * MiB, 16 * KiB),
+    (256 * MiB, KERNEL_CHUNK_BYTES), (16 * MiB + 7, 16 * KiB)])
+def test_small_kernel_jobs_are_cut_finer(total, chunk):
+    assert kernel_chunk_bytes(total) == chunk and chunk % 16 == 0
 
 
 def test_rows_contiguous_on_both_sides_are_one_copy():
@@ -61,7 +84,6 @@ def test_rows_contiguous_on_both_sides_are_one_copy():
     strided = calls(3, 4 * KiB, height=5)
     assert strided.copies.count == 15
     assert strided.copies.dst[:3].tolist() == [0, 8 * KiB, 16 * KiB]
-    assert 4 * KiB < KERNEL_PIECE_BYTES
 
 
 def test_chunks_cover_every_byte_once_and_keep_their_alignment():
@@ -100,12 +122,12 @@ def llama_on_host(batch: bool, layout: str):
 
 @pytest.mark.skipif(compiler() is None, reason="needs a C++ compiler to build the copy kernel")
 @pytest.mark.parametrize("batch, layout, expected", [
-    (True, "LBNHC", ("batch",)),  # 32 layer pages per block apart: 128 copies, one call
-    (False, "LBNHC", ("kernel",)),  # 128 2D calls would outrun the copy engines
-    (True, "BLNHC", ("batch",)),  # a block's layers are one dense row: 4 copies, one call
-    (False, "BLNHC", ("dma",)),  # ... or 4 2D calls
+    (True, "LBNHC", ("kernel",)),  # 32 layer pages per block apart: 128 calls
+    (False, "LBNHC", ("kernel",)),
+    (True, "BLNHC", ("dma",)),  # a block's layers are one dense row: 4 2D calls
+    (False, "BLNHC", ("dma",)),
 ])
-def test_the_rule_picks_the_batch_where_the_driver_has_it(batch, layout, expected):
+def test_the_rule_on_the_copier_never_takes_the_batch_itself(batch, layout, expected):
     copier, runtime, canonical = llama_on_host(batch, layout)
     stores = {0: ([6, 1, 3, 4], [0, 2, 5, 7])}
     expected_pool = reference_store(canonical, copier.pool, stores)

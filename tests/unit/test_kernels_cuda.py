@@ -212,7 +212,7 @@ def test_backend_on_gpu_pins_and_round_trips():
     randomize(cpu_buffer, 4)
     gpu_buffer.copy_(cpu_buffer)
     with CpuBackend(canonical, 6 << 20) as backend:
-        assert backend.pool.is_pinned()
+        assert backend.pinned and backend.copier.runtime.page_locked(backend.pool)
         stores = {0: ([5, 1, 2], [3, 0, 4])}
         expected_pool = reference_store(cpu_canonical, logical_pool(backend), stores)
         ready = backend.engine_ready()

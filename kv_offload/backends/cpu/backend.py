@@ -79,9 +79,11 @@ class CpuBackend:
         `gate_timeout_s`: how long a store cut per layer waits for a layer's release."""
         self.layout = HostSlotLayout.from_canonical(canonical)
         self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin, runtime)
-        pinned = runtime is not None or (cuda_present() if pin is None else pin)
-        # Plain memory: its pages are faulted in ahead of the slots in use (prefault.py).
-        self.prefaulter = None if pinned else PoolPrefaulter(self.pool, self.layout.slot_bytes)
+        # Page-locked (the GPU reaches it), or plain memory whose pages are faulted in
+        # ahead of the slots in use (prefault.py).
+        self.pinned = runtime is not None or (cuda_present() if pin is None else pin)
+        self.prefaulter = None if self.pinned else PoolPrefaulter(self.pool,
+                                                                  self.layout.slot_bytes)
         if self.prefaulter is not None:
             self.prefaulter.start()
         self.copier = BlockCopier(canonical, self.pool, self.layout, runtime)
