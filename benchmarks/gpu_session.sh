@@ -7,7 +7,8 @@
 #
 #   OUT=/tmp/gpu-session bash benchmarks/gpu_session.sh
 #
-# Writes session.log, tests.log, cuda_paths*.json and bench_cpu.jsonl under $OUT.
+# Writes session.log, tests.log, suite.log, cuda_paths*.json and bench_cpu.jsonl under
+# $OUT. SKIP_BENCH=1: tests only.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -53,6 +54,11 @@ CupyRuntime.stream_wait_event = lambda self, stream, event: None" "waits or zero
 planted "a job's descriptor buffer goes back to the pool at once" \
     "from kv_offload.kernels.cuda import CudaJob
 CudaJob.hold = lambda self, buffer: self._pool.release(buffer)" "descriptors"
+planted "a closed backend leaves its pool pinned" \
+    "from kv_offload.backends.cpu import backend
+backend.release_pinned = lambda pool: None" "unpins"
+
+if [ -z "${SKIP_BENCH:-}" ]; then
 
 step "copy paths side by side (benchmarks/bench_cuda_paths.py)"
 timeout 300 python3 benchmarks/bench_cuda_paths.py --json "$OUT/cuda_paths.json"
@@ -74,7 +80,10 @@ for args in "--model llama-8b" "--model llama-8b --pattern scattered" \
         bench --backend cpu --device cuda --repeats 5 $args --json - >>"$OUT/bench_cpu.jsonl"
 done
 
+fi  # SKIP_BENCH
+
 step "the unit suite with a GPU present (no servers here: those tests skip)"
-timeout "${SUITE_S:-150}" "${PYTEST[@]}" -n 8 --continue-on-collection-errors tests/unit 2>&1 \
-    | tail -25
+timeout "${SUITE_S:-150}" "${PYTEST[@]}" -n "${SUITE_WORKERS:-8}" -rfE --continue-on-collection-errors \
+    tests/unit >"$OUT/suite.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
 step "end"

@@ -188,3 +188,16 @@ def test_kernel_jobs_queued_together_keep_their_own_descriptors(engine_stream):
                                  "kernel") for _ in range(4)]:
         handle.wait()
     assert copier.descriptor_pool.allocations == before  # completed jobs gave them back
+
+
+def test_a_closed_backend_unpins_its_pool_so_the_next_backend_can_pin_one():
+    """Backends one after another in one process (a connector restarted in place; any
+    test run): each pins its pool, each close unpins it. Left pinned, a freed pool's
+    range made the next pool that overlapped it fail to pin (seen on an H200)."""
+    _, canonical, _, _ = gpu_model()
+    for _ in range(5):
+        backend = CpuBackend(canonical, 8 << 20)
+        runtime, pool = backend.copier.runtime, backend.pool
+        assert backend.pinned and runtime.page_locked(pool)
+        backend.close()
+        assert not runtime.page_locked(pool)

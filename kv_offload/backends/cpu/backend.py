@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kv_offload.backends.cpu.layer_copies import LayerCopier, LayerSteps, layer_cut_refusal
-from kv_offload.backends.cpu.pool import allocate_pool, cuda_present
+from kv_offload.backends.cpu.pool import allocate_pool, cuda_present, release_pinned
 from kv_offload.backends.cpu.prefault import PoolPrefaulter
 from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
@@ -98,6 +98,7 @@ class CpuBackend:
         self._pending: set[int] = set()
         self._cond = threading.Condition()
         self._closed = False
+        self._copies_abandoned = False  # a GPU copy still ran when close() gave up on it
         self._queues = {d: queue.SimpleQueue() for d in Direction}
         self._in_flight: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
         self._workers = [
@@ -224,6 +225,8 @@ class CpuBackend:
             q.put(None)
         for worker in self._workers:
             worker.join()
+        if not self._copies_abandoned:  # else a copy may still be using the pool's pages
+            release_pinned(self.pool)
         self.copier.close()
         if self.prefaulter is not None:
             self.prefaulter.close()
@@ -255,6 +258,7 @@ class CpuBackend:
             self._collect(direction)
         with self._cond:
             stuck, self._in_flight[direction] = list(self._in_flight[direction]), deque()
+            self._copies_abandoned = self._copies_abandoned or bool(stuck)
         for flight in stuck:
             self._finish(_failure(flight.job.job_id, direction, flight.job.transfers,
                                   time.perf_counter() - flight.started,

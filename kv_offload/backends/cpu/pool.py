@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kv_offload.errors import ConfigError
@@ -55,8 +57,8 @@ def allocate_pool(layout: HostSlotLayout, cpu_bytes_to_use: int,
 
 
 def register_pinned(pool: torch.Tensor) -> None:
-    """Page-lock `pool`'s bytes with `cudaHostRegister` (unregistered at exit by the driver
-    with the process; the pool lives as long as its backend)."""
+    """Page-lock `pool`'s bytes with `cudaHostRegister`, until `release_pinned(pool)` or
+    until the pool tensor is collected, whichever comes first."""
     cudart = torch.cuda.cudart()
     nbytes = pool.numel() * pool.element_size()
     status = cudart.cudaHostRegister(pool.data_ptr(), nbytes, 0)
@@ -64,3 +66,24 @@ def register_pinned(pool: torch.Tensor) -> None:
         raise ConfigError(f"cannot page-lock {nbytes} bytes of host memory for the host tier "
                           f"(cudaHostRegister returned {int(status)}); lower cpu_bytes_to_use "
                           f"or raise the memlock limit (ulimit -l)")
+    release = weakref.finalize(pool, _unregister, pool.data_ptr())
+    release.atexit = False  # at exit the driver drops the process's registrations itself
+    _registered[pool.data_ptr()] = release
+
+
+def release_pinned(pool: torch.Tensor) -> None:
+    """Undo `register_pinned` now: the backend closed, no copy uses the pool any more.
+    A range left registered after its memory is freed makes the next registration that
+    overlaps it fail (cudaErrorHostMemoryAlreadyRegistered: seen on an H200, where the
+    second backend of a process could not pin its pool)."""
+    release = _registered.get(pool.data_ptr())
+    if release is not None:
+        release()
+
+
+_registered: dict[int, weakref.finalize] = {}  # pool address -> its unregistration
+
+
+def _unregister(address: int) -> None:
+    _registered.pop(address, None)
+    torch.cuda.cudart().cudaHostUnregister(address)
