@@ -252,7 +252,8 @@ def experiment(args: argparse.Namespace) -> None:
         cuda_calls.KERNEL_CHUNK_BYTES = cuda_calls.KERNEL_MIN_CHUNK_BYTES = \
             args.kernel_chunk_kib << 10
     if args.kernel_grid is not None:
-        cuda.MAX_GRID = args.kernel_grid
+        grid = args.kernel_grid
+        cuda.kernel_grid = lambda pieces, multiprocessors: max(1, min(pieces, grid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                              "cuda_calls.kernel_chunk_bytes)")
     parser.add_argument("--kernel-grid", type=int, default=None,
                         help="experiment: at most this many thread blocks per launch "
-                             "(default: cuda.MAX_GRID)")
+                             "(default: cuda.kernel_grid, one per SM)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     experiment(args)

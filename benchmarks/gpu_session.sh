@@ -83,7 +83,7 @@ done
 fi  # SKIP_BENCH
 
 step "the unit suite with a GPU present (no servers here: those tests skip)"
-timeout "${SUITE_S:-150}" "${PYTEST[@]}" -n "${SUITE_WORKERS:-8}" -rfE --continue-on-collection-errors \
+timeout "${SUITE_S:-150}" "${PYTEST[@]}" -v -n "${SUITE_WORKERS:-8}" -rfE --continue-on-collection-errors \
     tests/unit >"$OUT/suite.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
+grep -E "(FAILED|ERROR) |passed|failed" "$OUT/suite.log" | tail -60  # -v: names even on timeout
 step "end"

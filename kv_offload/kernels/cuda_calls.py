@@ -38,7 +38,8 @@ from kv_offload.kernels.plan import GroupPlan
 
 MEMCPY_CALL_US = 2.2  # host time of one cudaMemcpy2DAsync through cupy (2.0-2.5 measured)
 DMA_BYTES_PER_US = 50_000  # 2D copies of rows >= 32 KiB: 51 GB/s measured (narrow rows: less)
-KERNEL_LAUNCH_US = 60.0  # the kernel's fixed extra: descriptors, their table, the launch
+KERNEL_LAUNCH_US = 100.0  # the kernel's fixed extra: descriptors, their table, the launch
+# (jobs of 32 2D calls: the kernel lost to them by 20-60 us; 80-120 fit the cells best)
 KERNEL_BYTES_PER_US = 45_000  # the kernel over pinned memory: 46-48 GB/s for >= 16 KiB pieces
 KERNEL_CHUNK_BYTES = 64 << 10  # the largest kernel piece (one thread block's turn)
 KERNEL_MIN_CHUNK_BYTES = 4 << 10  # ... and the smallest a copy is cut into

@@ -21,6 +21,7 @@ from kv_offload.kernels.cuda_batch import BatchMemcpy, load_batch_memcpy
 from kv_offload.kernels.runtime import DEFAULT_MAX_PITCH, CudaRuntime, MemcpyAttributes
 
 _DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
+_DEV_ATTR_MULTIPROCESSORS = 16  # cudaDevAttrMultiProcessorCount
 _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory the GPU can reach
 
 
@@ -39,6 +40,8 @@ class CupyRuntime(CudaRuntime):
                                                                   self.device_index)
         except Exception:  # an older cupy: every current GPU has this value
             self.max_pitch = DEFAULT_MAX_PITCH
+        self.multiprocessors = cupy.cuda.runtime.deviceGetAttribute(
+            _DEV_ATTR_MULTIPROCESSORS, self.device_index)
 
     def activate(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()

@@ -79,6 +79,9 @@ class CudaRuntime:
     max_pitch: int = DEFAULT_MAX_PITCH
     #: The copier's device (the location id of device memory in batch attributes).
     device_index: int = 0
+    #: The device's streaming multiprocessors (cudaDevAttrMultiProcessorCount); 0: not
+    #: known. The copy kernel's grid is at most one thread block per SM (cuda.py).
+    multiprocessors: int = 0
 
     def activate(self) -> contextlib.AbstractContextManager:
         """A context that makes the copier's device current on the calling thread

@@ -95,8 +95,10 @@ class _Region:
 
 class HostCudaRuntime(CudaRuntime):
     def __init__(self, *, batch: bool = True, batch_fails: bool = False,
-                 max_pitch: int = DEFAULT_MAX_PITCH, sync_timeout_s: float = 10.0) -> None:
+                 max_pitch: int = DEFAULT_MAX_PITCH, sync_timeout_s: float = 10.0,
+                 multiprocessors: int = 0) -> None:
         self.max_pitch = max_pitch
+        self.multiprocessors = multiprocessors
         self._batch = batch
         self._batch_fails = batch_fails
         self._sync_timeout_s = sync_timeout_s

@@ -46,7 +46,8 @@ def calls(count: int, width: int, height: int = 1, pitch: int | None = None) -> 
     (calls(1, 2 * MiB), False, Path.DMA),  # one large copy
     (calls(1, 2 * MiB), True, Path.DMA),  # ... the batch is never the rule's choice
     (calls(32, 64 * KiB, height=64), True, Path.DMA),  # a long prompt, consecutive: 32 calls
-    (calls(32, 2 * KiB), True, Path.KERNEL),  # one block of small pages: 32 small calls
+    (calls(32, 2 * KiB), True, Path.DMA),  # one block of 32 small pages: 32 calls
+    (calls(64, 2 * KiB), True, Path.KERNEL),  # two scattered blocks of them: 64 calls
     (calls(256, 64 * KiB), True, Path.KERNEL),  # 8 scattered blocks of 32 layers
     (calls(2, 1 * KiB, height=100), False, Path.DMA),  # 2 calls: the engines walk the rows
     (calls(100, 1 * MiB), False, Path.DMA),  # big copies hide the enqueue cost

@@ -146,6 +146,21 @@ def test_kernel_covers_more_pieces_than_the_grid():
 
 
 @needs_compiler
+def test_the_kernel_takes_one_block_per_multiprocessor_at_most():
+    """On a device of 7 SMs, 4 x 32 pieces are copied by 7 thread blocks looping over
+    them (a larger grid moved no more bytes on an H200; it only takes SMs)."""
+    spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    groups = [KVCacheGroup([f"l{i}" for i in range(32)], spec)]
+    buffer, caches = allocate_kv_caches(groups, 12, "LBNHC")
+    canonical = canonicalize(caches, groups, 12)
+    runtime = HostCudaRuntime(multiprocessors=7)
+    copier, _ = host_copier(canonical, [buffer], 8, runtime=runtime)
+    check_round_trip(copier, canonical, buffer, {0: ([9, 2, 5, 0], [1, 6, 3, 0])},
+                     {0: ([4, 11, 7, 1], [1, 6, 3, 0])}, "kernel")
+    assert [call[2] for call in runtime.calls if call[0] == "launch"] == [7, 7]
+
+
+@needs_compiler
 def test_backend_on_the_gpu_path_round_trips_every_group():
     model = build_example("gemma3", 8)
     canonical = canonicalize(model.kv_caches, model.groups, 8)
