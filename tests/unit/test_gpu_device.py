@@ -28,7 +28,7 @@ from test_cpu_backend import logical_pool
 from test_kernels import randomize, reference_load, reference_store
 from test_kernels_cuda_property import job, models, run_path
 
-from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
+from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda_batch import MIN_DRIVER_VERSION
@@ -201,3 +201,36 @@ def test_a_closed_backend_unpins_its_pool_so_the_next_backend_can_pin_one():
         assert backend.pinned and runtime.page_locked(pool)
         backend.close()
         assert not runtime.page_locked(pool)
+
+
+def test_blocks_go_from_the_gpu_to_disk_and_back_through_the_pinned_pool(tmp_path):
+    """The whole tiered path on a GPU: stores into the page-locked pool, written through to
+    files (O_DIRECT from page-locked memory), a new store over the same directory (a
+    restarted engine: its own pool), files read into its pool and copied into other GPU
+    blocks. A hybrid (attention + padded Mamba) laid out as LBHNC."""
+    from test_tiering import NUM_BLOCKS, block_bytes, h, make_store, wait_for_storage
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    mamba = MambaSpec(32, ((3, 64), (4, 16, 16)), (torch.bfloat16, torch.float32),
+                      page_size_padded=attn.page_size_bytes)
+    groups = [KVCacheGroup(["a0", "a1"], attn), KVCacheGroup(["m0", "m1"], mamba)]
+    buffer, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC", device="cuda")
+    canonical = canonicalize(caches, groups, NUM_BLOCKS)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
+    expected = [block_bytes(canonical, g, b).cpu() for g, b in ((0, 1), (0, 3), (1, 2))]
+    first = make_store(canonical, tmp_path, slots=6)
+    assert first.cpu.pinned
+    stores = {0: ([h(1), h(3)], [1, 3]), 1: ([h(2)], [2])}
+    assert first.wait([first.submit_store(stores, ready=first.engine_ready())])[0].success
+    first.flush()
+    first.close()
+    buffer.zero_()
+    second = make_store(canonical, tmp_path, slots=6)
+    wait_for_storage(second, [(h(1), 0), (h(3), 0), (h(2), 1)])
+    loads = {0: ([h(3), h(1)], [9, 4]), 1: ([h(2)], [8])}
+    [loaded] = second.wait([second.submit_load(loads, ready=second.engine_ready())])
+    assert loaded.success
+    assert torch.equal(block_bytes(canonical, 0, 4).cpu(), expected[0])
+    assert torch.equal(block_bytes(canonical, 0, 9).cpu(), expected[1])
+    assert torch.equal(block_bytes(canonical, 1, 8).cpu(), expected[2])
+    second.close()
