@@ -37,7 +37,8 @@ import torch
 
 from kv_offload import canonicalize
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
-from kv_offload.kernels.cuda_calls import choose_path, dma_calls
+from kv_offload.kernels.cuda import plan_calls
+from kv_offload.kernels.cuda_calls import choose_path
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.testing.example_models import build_example
@@ -193,14 +194,10 @@ def pieces(copier: BlockCopier, plan) -> dict:
     calls = copies = 0
     chosen = set()
     runtime = copier.runtime
-    for group_plan in plan.groups:
-        for segment in copier.segments[group_plan.group]:
-            src, dst = ((segment.engine, segment.host) if plan.direction is Direction.STORE
-                        else (segment.host, segment.engine))
-            c = dma_calls(src, dst, group_plan)
-            calls, copies = calls + c.count, copies + c.copy_count
-            chosen.add(choose_path(c, batch_available=runtime.batch_available,
-                                   max_pitch=runtime.max_pitch).value)
+    for c in plan_calls(copier.segments, plan):
+        calls, copies = calls + c.count, copies + c.copy_count
+        chosen.add(choose_path(c, batch_available=runtime.batch_available,
+                               max_pitch=runtime.max_pitch).value)
     return {"calls_2d": calls, "copies_1d": copies, "rule": sorted(chosen)}
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -72,6 +73,15 @@ extern "C" __global__ void copy_pieces(const unsigned long long* __restrict__ de
     }
 }
 """
+
+
+def plan_calls(segments: list[list[Segment]], plan: CopyPlan) -> Iterator[Memcpy2DCalls]:
+    """The 2D calls of each segment a plan touches, source to destination in its direction."""
+    for group_plan in plan.groups:
+        for segment in segments[group_plan.group]:
+            src, dst = ((segment.engine, segment.host) if plan.direction is Direction.STORE
+                        else (segment.host, segment.engine))
+            yield dma_calls(src, dst, group_plan)
 
 
 def kernel_grid(pieces: int, multiprocessors: int) -> int:
@@ -194,19 +204,15 @@ class CudaCopier:
                  strategy: str | None) -> None:
         batched: list[Memcpy2DCalls] = []
         pieces: list[Copies] = []
-        for group_plan in plan.groups:
-            for segment in self._segments[group_plan.group]:
-                src, dst = ((segment.engine, segment.host) if plan.direction is Direction.STORE
-                            else (segment.host, segment.engine))
-                calls = dma_calls(src, dst, group_plan)
-                path = self._path(calls, strategy)
-                job.paths.add(path)
-                if path is Path.DMA:
-                    self._memcpy2d(calls, stream)
-                elif path is Path.BATCH:
-                    batched.append(calls)
-                else:
-                    pieces.append(calls.copies)
+        for calls in plan_calls(self._segments, plan):
+            path = self._path(calls, strategy)
+            job.paths.add(path)
+            if path is Path.DMA:
+                self._memcpy2d(calls, stream)
+            elif path is Path.BATCH:
+                batched.append(calls)
+            else:
+                pieces.append(calls.copies)
         if batched and not self._memcpy_batch(batched, plan.direction, stream):
             job.paths.discard(Path.BATCH)
             for calls in batched:  # the fallback: the same copies without the batch

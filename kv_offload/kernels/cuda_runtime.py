@@ -40,8 +40,11 @@ class CupyRuntime(CudaRuntime):
                                                                   self.device_index)
         except Exception:  # an older cupy: every current GPU has this value
             self.max_pitch = DEFAULT_MAX_PITCH
-        self.multiprocessors = cupy.cuda.runtime.deviceGetAttribute(
-            _DEV_ATTR_MULTIPROCESSORS, self.device_index)
+        try:
+            self.multiprocessors = cupy.cuda.runtime.deviceGetAttribute(
+                _DEV_ATTR_MULTIPROCESSORS, self.device_index)
+        except Exception:  # not known: the kernel's grid is capped by MAX_GRID alone
+            self.multiprocessors = 0
 
     def activate(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
@@ -109,5 +112,8 @@ class CupyRuntime(CudaRuntime):
         """Whether the driver knows the tensor's bytes as page-locked host memory. The
         driver is asked, not torch: on an H200 with torch 2.11, `is_pinned()` answered
         False for our pool, page-locked with cudaHostRegister (GPU session, issue 27)."""
-        attributes = self._cupy.cuda.runtime.pointerGetAttributes(tensor.data_ptr())
+        try:
+            attributes = self._cupy.cuda.runtime.pointerGetAttributes(tensor.data_ptr())
+        except Exception:  # a pointer the driver does not know: not page-locked
+            return False
         return int(attributes.type) == _MEMORY_TYPE_HOST

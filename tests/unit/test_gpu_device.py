@@ -28,7 +28,7 @@ from test_cpu_backend import logical_pool
 from test_kernels import randomize, reference_load, reference_store
 from test_kernels_cuda_property import job, models, run_path
 
-from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
+from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda_batch import MIN_DRIVER_VERSION
@@ -208,15 +208,9 @@ def test_blocks_go_from_the_gpu_to_disk_and_back_through_the_pinned_pool(tmp_pat
     files (O_DIRECT from page-locked memory), a new store over the same directory (a
     restarted engine: its own pool), files read into its pool and copied into other GPU
     blocks. A hybrid (attention + padded Mamba) laid out as LBHNC."""
-    from test_tiering import NUM_BLOCKS, block_bytes, h, make_store, wait_for_storage
+    from test_tiering import block_bytes, h, hybrid, make_store, wait_for_storage
 
-    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
-    mamba = MambaSpec(32, ((3, 64), (4, 16, 16)), (torch.bfloat16, torch.float32),
-                      page_size_padded=attn.page_size_bytes)
-    groups = [KVCacheGroup(["a0", "a1"], attn), KVCacheGroup(["m0", "m1"], mamba)]
-    buffer, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC", device="cuda")
-    canonical = canonicalize(caches, groups, NUM_BLOCKS)
-    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
+    buffer, canonical = hybrid(device="cuda")
     expected = [block_bytes(canonical, g, b).cpu() for g, b in ((0, 1), (0, 3), (1, 2))]
     first = make_store(canonical, tmp_path, slots=6)
     assert first.cpu.pinned

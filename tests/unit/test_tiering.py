@@ -20,13 +20,13 @@ from kv_offload.types import Location
 NUM_BLOCKS = 12
 
 
-def hybrid():
+def hybrid(device: str = "cpu"):
     """Two overlaid groups (attention + padded Mamba), as a small hybrid engine."""
     attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
     mamba = MambaSpec(32, ((3, 64), (4, 16, 16)), (torch.bfloat16, torch.float32),
                       page_size_padded=attn.page_size_bytes)
     groups = [KVCacheGroup(["a0", "a1"], attn), KVCacheGroup(["m0", "m1"], mamba)]
-    buffer, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC")
+    buffer, caches = allocate_kv_caches(groups, NUM_BLOCKS, "LBHNC", device=device)
     buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8))
     return buffer, canonicalize(caches, groups, NUM_BLOCKS)
 
