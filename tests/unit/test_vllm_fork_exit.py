@@ -1,5 +1,7 @@
-"""A process forked from a worker exits at once: the write-through hook at interpreter exit
-belongs to the parent (the child has none of the threads a flush would wait for)."""
+"""A process forked from a worker does not flush at its exit: the write-through hook at
+interpreter exit belongs to the parent (the child has none of the threads a flush would wait
+for, so it would wait out the whole flush timeout). The child's store records any flush call
+in a marker file: behaviour, not a time bound that a loaded CI machine can break."""
 
 from __future__ import annotations
 
@@ -17,17 +19,21 @@ worker.start_stores({{0: ([block_hash(i) for i in range(6)], [1, 2, 3, 4, 5, 6])
 start = time.monotonic()
 pid = os.fork()
 if pid == 0:
+    def flush_in_child(timeout_s):
+        Path({tmp!r}, "flushed-in-child").write_text(str(timeout_s))
+        return True
+    worker.store.flush = flush_in_child
     sys.exit(0)  # a normal exit: the interpreter's exit hooks run
 os.waitpid(pid, 0)
 print(f"child exited after {{time.monotonic() - start:.2f}} s")
 """
 
 
-def test_a_child_forked_from_a_worker_exits_without_waiting_for_a_flush(tmp_path):
+def test_a_child_forked_from_a_worker_exits_without_a_flush(tmp_path):
     script = FORKING_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
                           capture_output=True, text=True)
-    seconds = float(done.stdout.split("after ")[1].split(" s")[0])
-    assert seconds < 5.0, f"the forked child took {seconds:.1f} s to exit"
+    assert "child exited after" in done.stdout, done.stdout + done.stderr
+    assert not (tmp_path / "flushed-in-child").exists(), "the forked child ran the exit flush"
     files = list((tmp_path / "kv").rglob("*.safetensors"))
     assert len(files) == 6, f"the parent's write-through lost: {len(files)} of 6 files"
