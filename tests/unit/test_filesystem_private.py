@@ -69,7 +69,7 @@ def test_a_fifo_under_a_keys_name_is_a_miss_at_once_and_is_removed(tmp_path):
     result = read(tier, [key], [out])
     took = time.monotonic() - start
     assert result.succeeded == (False,)
-    assert took < 2.0, f"a read of a FIFO took {took:.1f} s"
+    assert took < 5.0, f"a read of a FIFO took {took:.1f} s"  # (a stuck reader: 8 s)
     assert not os.path.exists(path) and tier.lookup([key]) == [False]
     assert tier.stats()["bad_files_removed"] == 1
     start = time.monotonic()

@@ -108,7 +108,9 @@ def test_a_valkey_server_that_trickles_its_reply_costs_one_deadline_and_close_is
         took = time.monotonic() - start
         assert server.trickle.trickles_started == 1  # it did read, and was trickled to
         assert result.succeeded == (False,) and bool((out == SENTINEL).all())
-        assert took < 2.5, f"a trickled read took {took:.1f} s; the deadline is 1 s"
+        # (the deadline is 1 s; without one the server trickles for 20 s: 8 s of slack for a
+        # loaded CI machine still tells the two apart)
+        assert took < 8.0, f"a trickled read took {took:.1f} s; the deadline is 1 s"
         assert tier.stats()["read_failed_unreachable"] == 1
         start = time.monotonic()
         tier.close()
@@ -127,7 +129,9 @@ def test_an_s3_endpoint_that_trickles_its_reply_costs_one_deadline_and_close_is_
         took = time.monotonic() - start
         assert server.trickle.trickles_started == 1
         assert result.succeeded == (False,) and bool((out == SENTINEL).all())
-        assert took < 2.5, f"a trickled read took {took:.1f} s; the deadline is 1 s"
+        # (the deadline is 1 s; without one the server trickles for 20 s: 8 s of slack for a
+        # loaded CI machine still tells the two apart)
+        assert took < 8.0, f"a trickled read took {took:.1f} s; the deadline is 1 s"
         start = time.monotonic()
         tier.close()
         assert time.monotonic() - start < 2.5
