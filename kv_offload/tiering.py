@@ -228,14 +228,15 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         return store.job_id
 
     def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None,
-                    layers: LayerSteps | None = None) -> int:
+                    layers: LayerSteps | None = None, inline: bool = False) -> int:
         """Fill engine blocks from host slots, reading storage-only keys into slots first.
         On a GPU every copy into the engine waits for `ready` (recorded on the engine's
         stream when the load was planned: it orders them after vLLM's own work on those
         blocks, even for pieces submitted later from another thread). `layers`: a load
         copied in one piece (all its keys in host memory) marks its layers copied in order
-        there; one in several pieces marks none (its result says when it all arrived)."""
-        load = Load(self._new_job(), {}, time.monotonic(), ready=ready, layers=layers)
+        there, one in several pieces none. `inline`: an in-step load (`CpuBackend.submit`)."""
+        load = Load(self._new_job(), {}, time.monotonic(), ready=ready, layers=layers,
+                    inline=inline)
         try:
             load.targets = targets_of(requests)
         except Exception as exc:
@@ -340,9 +341,9 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
             self._open.discard(result.job_id)
             self._done.append(result)
 
-    def _submit_cpu(self, record, direction: Direction, moves,
-                    ready: EngineReady | None = None, layers: LayerSteps | None = None) -> None:
-        self._cpu_jobs[self.cpu.submit(direction, moves, ready, layers)] = record
+    def _submit_cpu(self, record, direction: Direction, moves, ready: EngineReady | None = None,
+                    layers: LayerSteps | None = None, inline: bool = False) -> None:
+        self._cpu_jobs[self.cpu.submit(direction, moves, ready, layers, inline)] = record
 
     def _host_copied(self, record, success: bool) -> None:
         if isinstance(record, StorePiece):

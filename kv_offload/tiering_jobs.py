@@ -81,6 +81,7 @@ class Load:
     closed: bool = False  # failed whole: pieces still in flight only release resources
     ready: Any = None  # GPU: the engine-stream event its copies into the engine wait for
     layers: Any = None  # LayerSteps: the progress of a load copied in one piece, per layer
+    inline: bool = False  # host copies on the polling thread (an in-step load: CPU engines)
 
 
 @dataclass

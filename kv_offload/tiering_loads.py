@@ -72,7 +72,7 @@ class LoadPipeline:
         whole = load.pending == 0 and len(keys) == len(load.targets)
         try:
             self._submit_cpu((load, keys), Direction.LOAD, transfers(keys, slots, load.targets),
-                             load.ready, load.layers if whole else None)
+                             load.ready, load.layers if whole else None, load.inline)
         except Exception:
             self.manager.complete_load(keys)
             raise

@@ -96,6 +96,34 @@ def test_exception_inside_the_copy_is_a_failed_job():
         assert ok.success and ok.num_bytes == 0
 
 
+def test_an_inline_load_is_copied_on_the_calling_thread_before_submit_returns(gemma):
+    # An in-step load on a CPU engine: the engine thread would only wait for the job
+    # thread, so it copies itself (one thread hand-off less); a bad job is still a failed
+    # result, never an exception.
+    model, canonical = gemma
+    with CpuBackend(canonical, 10 << 20) as backend:
+        (stored,) = backend.wait([backend.submit_store({0: ([7, 2], [4, 0])})], timeout=WAIT_S)
+        assert stored.success
+        randomize(model.buffer, 3)
+        loads = {0: ([3, 11], [4, 0])}
+        expected = reference_load(canonical, logical_pool(backend), loads, model.buffer)
+        copiers = []
+        copy = backend._start  # (the job thread's entry point, wrapped to see its thread)
+        backend._start = lambda queued: (copiers.append(threading.current_thread()),
+                                         copy(queued))[1]
+        job = backend.submit(Direction.LOAD, loads, inline=True)
+        assert torch.equal(model.buffer, expected)  # in engine memory at return
+        assert copiers == [threading.current_thread()]
+        (result,) = backend.poll()
+        assert result.job_id == job and result.success
+        bad = backend.submit(Direction.LOAD, {0: ([3], [99])}, inline=True)
+        (failed,) = backend.poll()
+        assert failed.job_id == bad and not failed.success and "slot id 99" in failed.error
+        queued = backend.submit(Direction.LOAD, loads)  # (not inline: the job thread's)
+        assert backend.wait([queued], timeout=WAIT_S)[0].success
+        assert copiers[-1] is not threading.current_thread()
+
+
 def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
     model, canonical = gemma
     with CpuBackend(canonical, 12 << 20) as backend:

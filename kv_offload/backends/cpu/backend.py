@@ -6,6 +6,9 @@ moves bytes. Jobs run on two worker threads, one for stores and one for loads,
 so a load never queues behind a long store; jobs of one direction run in
 submission order. Nothing orders a store against a load: the caller must not
 load a slot before the store into it has finished (the manager's rule anyway).
+An *inline* job (an in-step load, whose caller would only wait for it) is planned
+and copied on the calling thread on CPU engines, beside the queue: one thread
+hand-off less on the engine's step path; on a GPU it is queued like any other.
 
 Engine memory on the CPU: a worker copies a job on the spot. On a GPU: a worker
 only enqueues the job on the direction's copy stream (several jobs may be in
@@ -157,11 +160,14 @@ class CpuBackend:
         return self.submit(Direction.LOAD, transfers, ready)
 
     def submit(self, direction: Direction, transfers: Transfers,
-               ready: EngineReady | None = None, layers: LayerSteps | None = None) -> int:
+               ready: EngineReady | None = None, layers: LayerSteps | None = None,
+               inline: bool = False) -> int:
         """Queue a job and return its id at once. Raises only after `close`.
         GPU: `ready` None records one now on the calling thread's current stream.
         `layers`: copy the job a layer at a time, through these gates and progress (a
-        job whose copies cannot be cut per layer waits for every gate, then runs whole)."""
+        job whose copies cannot be cut per layer waits for every gate, then runs whole).
+        `inline` (CPU engines, no `layers`): copy here, before returning (the result is
+        then ready for `poll`); the copy's own threads still move the bytes."""
         with self._cond:
             if self._closed:
                 raise TierClosedError("CpuBackend is closed; no new jobs are accepted")
@@ -177,7 +183,12 @@ class CpuBackend:
         except Exception as exc:  # unreadable ids: fail the job, do not raise
             self._finish(_failure(job_id, direction, (), 0.0, exc))
             return job_id
-        self._queues[direction].put(_Queued(job, ready, layers))
+        queued = _Queued(job, ready, layers)
+        if inline and layers is None and not self.copier.asynchronous:
+            self._start(queued)  # (the CPU copies on the spot: the result is in at return)
+            self._collect(direction)
+        else:
+            self._queues[direction].put(queued)
         return job_id
 
     def poll(self) -> list[TransferResult]:
