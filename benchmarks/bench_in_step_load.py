@@ -14,6 +14,9 @@ same shape as bench_ttft's Llama-like model (vLLM CPU's per-layer caches, block 
                included, no worker around it)
   worker       `OffloadWorker.start_loads(..., in_step=...)`: what `start_load_kv` runs
                for an in-step host hit (lookup in the store, the job, the copy, the wait)
+  worker_disk  the same for a hit on disk only (a second worker over a filesystem tier in a
+               temporary directory: O_DIRECT reads of 62 files into host slots, then the
+               copy), as a new engine process's in-step disk hit
 
 The three alternate within each round (the order rotating), after a warm-up; the table has
 the median over rounds (p10 and p90 beside it) and the ratio of each median to `plain_1t`'s
@@ -26,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,6 +55,25 @@ def block_hash(i: int, salt: bytes) -> bytes:
     return hashlib.sha256(salt + i.to_bytes(4, "little")).digest()
 
 
+SETS = 5  # hits of the disk way: the host tier holds 4, so each load finds its set on disk
+
+
+def disk_worker(caches, groups, engine_blocks: int, blocks: int, block_bytes: int,
+                root: str) -> tuple[OffloadWorker, list[list[bytes]]]:
+    """A worker over a disk tier whose host tier holds SETS - 1 hits: every hit stored and
+    written through, the first one evicted from host memory (on disk only)."""
+    config = OffloadConfig(cpu_bytes_to_use=(SETS - 1) * blocks * block_bytes,
+                           fs_root_dir=root, fs_bytes_to_use=4 * SETS * blocks * block_bytes)
+    worker = OffloadWorker(config, 0, "bench-in-step-disk")
+    worker.register(caches, groups, engine_blocks)
+    sets = [[block_hash(i, b"disk-%d" % k) for i in range(blocks)] for k in range(SETS)]
+    for k, hashes in enumerate(sets):
+        worker.start_stores({0: (hashes, list(range(1 + k * blocks, 1 + (k + 1) * blocks)))})
+        worker.wait_for_engine_copies(timeout_s=30)
+        assert worker.store.flush(60.0), "the write-through to disk did not finish"
+    return worker, sets
+
+
 def one_run(blocks: int, rounds: int, engine_blocks: int) -> dict[str, list[float]]:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE,
                              dtype=torch.bfloat16)
@@ -63,8 +87,10 @@ def one_run(blocks: int, rounds: int, engine_blocks: int) -> dict[str, list[floa
     worker.register(caches, groups, engine_blocks)
     host = {name: torch.empty((blocks, *cache.shape[1:]), dtype=cache.dtype)
             for name, cache in caches.items()}  # (blocks on dim 0)
-    times: dict[str, list[float]] = {"plain": [], "plain_1t": [], "backend": [], "worker": []}
-    backend = None
+    times: dict[str, list[float]] = {"plain": [], "plain_1t": [], "backend": [], "worker": [],
+                                     "worker_disk": []}
+    backend = disk = None
+    root = tempfile.TemporaryDirectory()
     one_thread = ThreadPoolExecutor(1, initializer=serial_torch_thread)
     try:
         source = list(range(1, blocks + 1))
@@ -88,17 +114,30 @@ def one_run(blocks: int, rounds: int, engine_blocks: int) -> dict[str, list[floa
             worker.start_loads({"r": {0: (hashes, dst)}}, in_step=["r"])
             assert not worker.take_block_errors()
 
+        disk, sets = disk_worker(caches, groups, engine_blocks, blocks, block_bytes, root.name)
+        disk_loads = itertools.count()
+
+        def disk_load(dst: list[int]) -> None:
+            hashes = sets[next(disk_loads) % SETS]  # (the least recently used: on disk only)
+            disk.start_loads({"r": {0: (hashes, dst)}}, in_step=["r"])
+            assert not disk.take_block_errors()
+
+        def reads_so_far() -> int:
+            return disk.store.storage.stats()["read_ok"]
+
+        reads_before = reads_so_far()
+
         def backend_load(dst: list[int]) -> None:
             (result,) = backend.wait([backend.submit_load({0: (dst, slot_ids)})])
             assert result.success
 
         ways = {"plain": plain, "plain_1t": plain_1t, "backend": backend_load,
-                "worker": worker_load}
+                "worker": worker_load, "worker_disk": disk_load}
         names = list(ways)
         for r in range(rounds + 2):  # two warm-up rounds
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]
-                lo = blocks + 1 + (r * len(names) + k) % 8 * blocks  # fresh blocks each time
+                lo = 1 + (SETS + (r * len(names) + k) % 8) * blocks  # fresh blocks each time
                 dst = list(range(lo, lo + blocks))
                 time.sleep(0.02)
                 start = time.perf_counter()
@@ -106,8 +145,14 @@ def one_run(blocks: int, rounds: int, engine_blocks: int) -> dict[str, list[floa
                 took = time.perf_counter() - start
                 if r >= 2:
                     times[name].append(took * 1e3)
+        loads = next(disk_loads)
+        assert reads_so_far() - reads_before == loads * blocks, "a disk-way load was not read " \
+            f"from disk: {reads_so_far() - reads_before} reads for {loads} loads of {blocks}"
     finally:
         worker.shutdown()
+        if disk is not None:
+            disk.shutdown()
+        root.cleanup()
         if backend is not None:
             backend.close()
         one_thread.shutdown()
@@ -120,7 +165,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    times = one_run(args.blocks, args.rounds, engine_blocks=10 * args.blocks + 2)
+    times = one_run(args.blocks, args.rounds, engine_blocks=(SETS + 8) * args.blocks + 1)
     mib = args.blocks * LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2 / (1 << 20)
     plain = statistics.median(times["plain_1t"])
     print(f"in-step host load of {args.blocks} blocks ({mib:.1f} MiB, {LAYERS} layers); "
