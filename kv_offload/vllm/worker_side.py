@@ -207,8 +207,9 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             for request_id, blocks in loads.items():
                 layers = self._layer_steps_for_load() if request_id in in_step else None
                 try:
+                    # (an in-step load copied whole: by the thread that waits for it)
                     job_id = self.store.submit_load(blocks, ready, layers,
-                                                    inline=request_id in in_step)
+                                                    inline=request_id in in_step and layers is None)
                     self._jobs[job_id] = job = self._job(request_id, blocks,
                                                          request_id in in_step, layers)
                     self._loads_in_flight += 1
