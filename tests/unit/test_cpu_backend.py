@@ -82,12 +82,14 @@ def test_failed_job_names_its_blocks(gemma):
         assert dict(result.failed_blocks) == {0: (3, 4), 2: (5,)}
 
 
-def test_exception_inside_the_copy_is_a_failed_job():
+@pytest.mark.parametrize("direction, inline", [(Direction.STORE, False),
+                                               (Direction.LOAD, False), (Direction.LOAD, True)])
+def test_exception_inside_the_copy_is_a_failed_job(direction, inline):
     model = build_example("llama-8b", 4)
     canonical = canonicalize(model.kv_caches, model.groups, 4)
     with CpuBackend(canonical, 4 << 21) as backend:
         model.buffer.untyped_storage().resize_(0)  # the engine memory is gone
-        job = backend.submit_store({0: ([1, 2], [0, 1])})
+        job = backend.submit(direction, {0: ([1, 2], [0, 1])}, inline=inline)  # never raises
         (result,) = backend.wait([job], timeout=WAIT_S)
         assert not result.success and "RuntimeError" in result.error
         assert result.failed_blocks == ((0, (1, 2)),)
