@@ -1,10 +1,10 @@
-"""What an in-step host hit adds to `start_load_kv`, against a plain copy of the same bytes.
+"""What an in-step hit adds to `start_load_kv`, against a plain copy of the same bytes.
 
-Issue 23 asks a host-tier hit to cost at most 1.05x of vLLM's own in-memory prefix hit. In
-`bench_ttft.py` the difference between the two is our `start_load_kv` (an in-step load of
-16 MiB: 62 blocks of 256 KiB, 8 layers); that benchmark's spread between engine processes
-hides a millisecond. This one times the connector's worker alone, in one process, on the
-same shape as bench_ttft's Llama-like model (vLLM CPU's per-layer caches, block size 32):
+Issue 23 asks a host-tier hit to cost at most 1.05x of vLLM's own in-memory prefix hit, and
+a disk hit 1.5x. In `bench_ttft.py` the difference is our `start_load_kv` (an in-step load
+of 16 MiB: 62 blocks of 256 KiB, 8 layers); that benchmark's spread between engine
+processes hides a millisecond. This one times the connector's worker alone, in one process,
+on the same shape as bench_ttft's Llama-like model (per-layer caches, block size 32):
 
   plain        one torch `copy_` per layer from a host tensor into the hit's blocks (they
                are consecutive, as in a fresh engine), on the calling thread with torch's
@@ -18,7 +18,7 @@ same shape as bench_ttft's Llama-like model (vLLM CPU's per-layer caches, block 
                temporary directory: O_DIRECT reads of 62 files into host slots, then the
                copy), as a new engine process's in-step disk hit
 
-The three alternate within each round (the order rotating), after a warm-up; the table has
+The ways alternate within each round (the order rotating), after a warm-up; the table has
 the median over rounds (p10 and p90 beside it) and the ratio of each median to `plain_1t`'s
 (torch's own threads, asleep after the pause each round begins with, spread the most).
 
@@ -168,7 +168,7 @@ def main() -> int:
     times = one_run(args.blocks, args.rounds, engine_blocks=(SETS + 8) * args.blocks + 1)
     mib = args.blocks * LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2 / (1 << 20)
     plain = statistics.median(times["plain_1t"])
-    print(f"in-step host load of {args.blocks} blocks ({mib:.1f} MiB, {LAYERS} layers); "
+    print(f"in-step load of {args.blocks} blocks ({mib:.1f} MiB, {LAYERS} layers); "
           f"median of {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
     print(f"{'':10s} {'ms p50':>8s} {'p10':>7s} {'p90':>7s} {'x 1t':>8s}")
     for name, values in times.items():
@@ -176,7 +176,9 @@ def main() -> int:
         median = statistics.median(values)
         print(f"{name:10s} {median:8.2f} {q[0]:7.2f} {q[-1]:7.2f} {median / plain:8.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"blocks": args.blocks, "times_ms": times}, indent=1))
+        args.json.write_text(json.dumps({"blocks": args.blocks, "rounds": args.rounds,
+                                         "load_average": os.getloadavg(), "times_ms": times},
+                                        indent=1))
     return 0
 
 
