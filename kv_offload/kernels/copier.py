@@ -95,14 +95,15 @@ class BlockCopier:
         return self._cpu.copy(plan, strategy)
 
     def submit(self, plan: CopyPlan, ready: EngineReady | None = None,
-               strategy: str | None = None):
+               strategy: str | None = None, timeout_s: float | None = None):
         """Start moving `plan`; returns a handle with `done()` and `wait()` (and
         `error`: the exception that failed it, or None).
         GPU: enqueued on the direction's stream after `ready` (None: no wait), no
-        host wait. CPU: the copy happens here and the handle is already done."""
+        host wait. CPU: the copy happens here and the handle is already done;
+        `timeout_s` bounds the wait for the copy threads (TimeoutError past it)."""
         if self.asynchronous:
             return self._cuda.submit(plan, ready, strategy)
-        self._cpu.copy(plan, strategy)
+        self._cpu.copy(plan, strategy, timeout_s)
         return _Done()
 
     @property

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,9 +128,11 @@ class CpuCopier:
         self._lock = threading.Lock()
         self.last_strategies: dict[Direction, tuple[str, ...]] = {}  # for benchmarks
 
-    def copy(self, plan: CopyPlan, strategy: str | None = None) -> int:
+    def copy(self, plan: CopyPlan, strategy: str | None = None,
+             timeout_s: float | None = None) -> int:
         """Move every pair of `plan` (by `strategy`, default the cost rule's pick);
-        returns the real bytes moved."""
+        returns the real bytes moved. `timeout_s`: raise TimeoutError if the copy threads
+        have not finished by then (a stuck thread; shares not started are cancelled)."""
         ops = []
         for group_plan in plan.groups:
             for segment in self._segments[group_plan.group]:
@@ -139,8 +143,16 @@ class CpuCopier:
         self.last_strategies[plan.direction] = tuple(sorted({op.kind for op in ops}))
         shares = _shares(ops, self.threads if plan.num_bytes >= self.split_bytes else 1)
         pool = self._pool(plan.direction)
-        for future in [pool.submit(_run_ops, share) for share in shares]:
-            future.result()  # re-raises a failed share's exception
+        futures = [pool.submit(_run_ops, share) for share in shares]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for future in futures:
+            try:  # re-raises a failed share's exception
+                future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                for other in futures:
+                    other.cancel()
+                raise TimeoutError(f"the copy threads did not finish within {timeout_s} s"
+                                   ) from None
         return plan.num_bytes
 
     def close(self) -> None:

@@ -126,6 +126,35 @@ def test_an_inline_load_is_copied_on_the_calling_thread_before_submit_returns(ge
         assert copiers[-1] is not threading.current_thread()
 
 
+def test_an_inline_load_whose_copy_threads_are_stuck_fails_within_its_bound(gemma):
+    # The engine thread copies an inline load itself: a stuck copy thread must fail the job
+    # (its blocks recompute), not hold the engine, as the worker's bound does for queued ones.
+    _, canonical = gemma
+    with CpuBackend(canonical, 10 << 20, inline_timeout_s=0.5) as backend:
+        copier = backend.copier._cpu
+        release = threading.Event()
+        stuck = [copier._pool(Direction.LOAD).submit(release.wait) for _ in range(copier.threads)]
+        outcome = []
+        caller = threading.Thread(target=lambda: outcome.append(
+            backend.submit(Direction.LOAD, {0: ([3, 11], [4, 0])}, inline=True)), daemon=True)
+        start = time.monotonic()
+        caller.start()
+        caller.join(timeout=10)
+        try:
+            assert outcome, "an inline load waited for its stuck copy threads past its bound"
+            assert time.monotonic() - start < 5
+            (result,) = backend.poll()
+            assert result.job_id == outcome[0] and not result.success
+            assert "TimeoutError" in result.error and result.failed_blocks == ((0, (3, 11)),)
+        finally:
+            release.set()
+        for future in stuck:
+            future.result(timeout=WAIT_S)
+        (later,) = backend.wait([backend.submit(Direction.LOAD, {0: ([5], [4])}, inline=True)],
+                                timeout=WAIT_S)
+        assert later.success  # the backend goes on
+
+
 def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
     model, canonical = gemma
     with CpuBackend(canonical, 12 << 20) as backend:

@@ -61,6 +61,7 @@ class _Queued:
     job: TransferJob
     ready: EngineReady | None
     layers: LayerSteps | None = None  # a job cut per layer (layer_copies.py)
+    timeout_s: float | None = None  # an inline job: the copy is failed past this (CPU)
 
 
 @dataclass
@@ -76,10 +77,12 @@ class CpuBackend:
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
                  pin: bool | None = None, runtime: CudaRuntime | None = None,
-                 gate_timeout_s: float = 30.0) -> None:
+                 gate_timeout_s: float = 30.0, inline_timeout_s: float = 30.0) -> None:
         """`runtime` drives the GPU copy path with another CUDA runtime than cupy's
         (the tests' host executor); by default the engine memory's device decides.
-        `gate_timeout_s`: how long a store cut per layer waits for a layer's release."""
+        `gate_timeout_s`: how long a store cut per layer waits for a layer's release.
+        `inline_timeout_s`: how long an inline job's caller waits for its copy threads
+        (a stuck one fails the job, as the worker's bound would fail a queued one)."""
         self.layout = HostSlotLayout.from_canonical(canonical)
         self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin, runtime)
         # Page-locked (the GPU reaches it), or plain memory whose pages are faulted in
@@ -91,6 +94,7 @@ class CpuBackend:
             self.prefaulter.start()
         self.copier = BlockCopier(canonical, self.pool, self.layout, runtime)
         self.gate_timeout_s = gate_timeout_s
+        self.inline_timeout_s = inline_timeout_s
         # Jobs cut per layer: CPU engine memory whose layers each have their own bytes
         # (GPU copies run on streams and are not cut yet: such jobs run whole).
         self.layer_copier = None if self.copier.asynchronous or layer_cut_refusal(canonical) \
@@ -183,12 +187,12 @@ class CpuBackend:
         except Exception as exc:  # unreadable ids: fail the job, do not raise
             self._finish(_failure(job_id, direction, (), 0.0, exc))
             return job_id
-        queued = _Queued(job, ready, layers)
         if inline and layers is None and not self.copier.asynchronous:
-            self._start(queued)  # (the CPU copies on the spot: the result is in at return)
+            # (the CPU copies on the spot: the result is in at return, at most the bound)
+            self._start(_Queued(job, ready, timeout_s=self.inline_timeout_s))
             self._collect(direction)
         else:
-            self._queues[direction].put(queued)
+            self._queues[direction].put(_Queued(job, ready, layers))
         return job_id
 
     def poll(self) -> list[TransferResult]:
@@ -294,7 +298,7 @@ class CpuBackend:
         """Hand a checked plan to the copier: whole, or a layer at a time."""
         steps = queued.layers
         if steps is None:
-            return self.copier.submit(plan, queued.ready)
+            return self.copier.submit(plan, queued.ready, timeout_s=queued.timeout_s)
         if self.layer_copier is not None and steps.num_layers == self.layer_copier.num_layers:
             self.layer_copier.copy(plan, steps, self.gate_timeout_s)
             return self.copier.submit(_EMPTY_PLANS[plan.direction])  # (done: a handle)
