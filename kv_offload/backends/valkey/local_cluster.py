@@ -14,6 +14,7 @@ here, not by the kernel's ephemeral range.
 from __future__ import annotations
 
 import random
+import re
 import socket
 import subprocess
 import time
@@ -153,6 +154,23 @@ class LocalCluster:
                                    f"{[n.log_tail(500) for n in self.alive()]}")
             time.sleep(0.1)
         return time.monotonic() - start
+
+    def wait_for_replicas(self, primary: LocalServer, timeout_s: float = 30.0) -> float:
+        """Wait until every replica of ``primary`` has acknowledged all it has written
+        (replication is asynchronous: a primary killed right after a write loses what its
+        replica has not received yet); returns the seconds waited."""
+        start = time.monotonic()
+        while True:
+            with self.client(primary) as c:
+                info = c.info("replication")
+            wrote = int(info["master_repl_offset"])
+            replicas = [v for k, v in info.items() if re.fullmatch(r"slave\d+", k)]
+            if replicas and all(int(r["offset"]) >= wrote for r in replicas):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"the replicas of 127.0.0.1:{primary.port} did not reach "
+                                   f"its offset {wrote} within {timeout_s} s: {replicas}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for node in self.nodes:
