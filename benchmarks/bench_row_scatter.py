@@ -9,6 +9,9 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
   numpy_1 / numpy_2   numpy's fancy-index row assignment (`engine[ids] = pool`), the
                       primitive our CPU copier's "scatter" strategy runs, on 1 and 2 threads
   torch_index_copy    torch's `index_copy_` on 2 threads (its own intra-op threads)
+  index_copy_i64_2 /  torch's `index_copy_` over the rows viewed as 8- or 16-byte elements
+  index_copy_c128_2   (int64, complex128: 256 or 128 elements per row instead of 2048), on 2
+                      threads of our own, each single-threaded torch
   copier              our `CpuCopier` moving the same plan (its plan built beforehand)
   job                 a whole load job through `CpuBackend` (planning included)
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
@@ -130,6 +133,14 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
         def numpy_part(a: int, b: int) -> None:
             engine_np[ids[a:b]] = pool_np[a:b]
 
+        def wide_part(dtype):
+            wide_engine, wide_pool = engine.view(dtype), pool.view(dtype)
+
+            def part(a: int, b: int) -> None:
+                torch.set_num_threads(1)  # (this thread only: as our copy threads run)
+                wide_engine.index_copy_(0, ids_t[a:b], wide_pool[a:b])
+            return part
+
         def job() -> None:
             (result,) = backend.wait([backend.submit_load(loads)])
             assert result.success
@@ -140,6 +151,8 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             "numpy_1": best_of(lambda: numpy_part(0, n), repeats),
             "numpy_2": best_of(on_threads(numpy_part, 2, n), repeats),
             "torch_index_copy": best_of(lambda: engine.index_copy_(0, ids_t, pool), repeats),
+            "index_copy_i64_2": best_of(on_threads(wide_part(torch.int64), 2, n), repeats),
+            "index_copy_c128_2": best_of(on_threads(wide_part(torch.complex128), 2, n), repeats),
             "copier": best_of(lambda: copier.copy(plan), repeats),
             "job": best_of(job, repeats),
         }
