@@ -177,7 +177,8 @@ def run_steps(args) -> dict:
         "tier": tier_counts() if shared is None else shared.final_counts,
         "shared": None if shared is None else {
             "kind": args.tier, "fill_s": shared.fill_s, "start_up_s": shared.start_up_s,
-            "server": shared.server_notes, "writer_rate": args.writer_rate, "delay": delay},
+            "server": shared.server_notes, "writer_rate": args.writer_rate, "delay": delay,
+            "helpers_niced": shared.niced},
         "first_steps": phase_summary(first),
         "steady_state": phase_summary(steady),
     }
@@ -275,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--tier s3: the tier's list_pages_per_refresh (default 1, the "
                         "tier's): a pass over the prefix takes keys / 1000 / this polls")
     parser.add_argument("--writer-rate", type=float, default=200.0)
+    parser.add_argument("--helpers-niced", action="store_true",
+                        help="--tier valkey/s3: run the server and the other engine's writer "
+                        "at nice 19 (on a fleet they are other machines; here they share the "
+                        "engine's cores)")
     parser.add_argument("--delay-keys", type=int, default=200)
     parser.add_argument("--report-cap", type=int, help="key changes per worker report "
                         "(sets worker_side.REPORT_MAX_KEYS for this run; default: the tree's)")

@@ -15,6 +15,11 @@ measured step times.
 - While the engine steps, another process (``writer``: another engine, a `BlockWriter`)
   writes new blocks at ``--writer-rate`` keys per second: the Valkey tier under test hears
   of each one by its keyspace notification, the S3 tier when its crawl passes the name.
+- ``--helpers-niced``: the server and the writer processes run at nice 19 (every thread),
+  so they get only the CPU the engine's process leaves. On a fleet they are other machines;
+  on this benchmark's two cores they otherwise take cores from the engine's thread in the
+  very steps being timed. Runs with and without it tell the store's own cost in our
+  process from the co-located server's.
 - After the steps, the delay until other engines' writes are found: a writer process writes
   ``--delay-keys`` keys, noting when each write returned, while this process polls
   `lookup` every 2 ms (the engine is stopped then: the probe measures the tier, not a
@@ -26,6 +31,7 @@ measured step times.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -108,6 +114,7 @@ class SharedTierRun:
     delay_bound_s: float = 120.0
     server_notes: dict = field(default_factory=dict)
     writer: subprocess.Popen | None = None
+    niced: bool = False  # --helpers-niced: the server and writers at nice 19
     delays_s: list[float] = field(default_factory=list)
     final_counts: dict = field(default_factory=dict)
 
@@ -121,9 +128,18 @@ class SharedTierRun:
         return [sys.executable, __file__, "writer", self.kind, self.where,
                 str(self.block_bytes), str(rate), str(count), *([log] if log else [])]
 
+    def _spawn(self, command: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(command, preexec_fn=(lambda: os.nice(19)) if self.niced
+                                else None)
+
+    def nice_helpers(self) -> None:
+        """The server at nice 19 now (every thread), and every writer started from here."""
+        lower_priority(self.server.process.pid)
+        self.niced = True
+
     def start_writer(self, rate: float) -> None:
         if rate > 0:
-            self.writer = subprocess.Popen(self._writer_command(rate, 0))
+            self.writer = self._spawn(self._writer_command(rate, 0))
 
     def stop_writer(self) -> None:
         if self.writer is not None:
@@ -153,7 +169,7 @@ class SharedTierRun:
         drained_s = self._drain_writes()
         with tempfile.TemporaryDirectory() as tmp:
             log = Path(tmp) / "written.jsonl"
-            proc = subprocess.Popen(self._writer_command(50, keys, str(log)))
+            proc = self._spawn(self._writer_command(50, keys, str(log)))
             seen: dict[str, float] = {}
             written: dict[str, float] = {}
             deadline = time.time() + self.delay_bound_s
@@ -192,9 +208,21 @@ def start_shared(kind: str, inventory: list[bytes], documents: set[bytes], block
     if kind == "s3":
         from step_cost_s3 import start_s3
 
-        return start_s3(inventory, documents, block_bytes,
-                        pages_per_refresh=getattr(args, "s3_pages_per_refresh", 1))
-    return start_valkey(inventory, documents, block_bytes)
+        run = start_s3(inventory, documents, block_bytes,
+                       pages_per_refresh=getattr(args, "s3_pages_per_refresh", 1))
+    else:
+        run = start_valkey(inventory, documents, block_bytes)
+    if getattr(args, "helpers_niced", False):
+        run.nice_helpers()
+    return run
+
+
+def lower_priority(pid: int) -> None:
+    """Every thread of process ``pid`` to nice 19 (on Linux a nice value is per thread: the
+    server's threads started before this keep theirs otherwise)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # (a thread that just ended)
+            os.setpriority(os.PRIO_PROCESS, int(tid), 19)
 
 
 def start_valkey(inventory: list[bytes], documents: set[bytes], block_bytes: int,
@@ -226,7 +254,8 @@ def print_shared(steps: dict) -> None:
     print(f"  {shared['kind']}: {steps['keys']:,} keys loaded in {shared['fill_s']:.1f} s, "
           f"tier start-up (whole SCAN / listing) {shared['start_up_s']:.1f} s "
           f"{shared.get('server') or ''}; another engine wrote "
-          f"{shared['writer_rate']:.0f} keys/s during the steady steps (--writer-rate); tier "
+          f"{shared['writer_rate']:.0f} keys/s during the steady steps (--writer-rate"
+          f"{'; server and writers at nice 19' if shared.get('helpers_niced') else ''}); tier "
           f"counts { {k: v for k, v in counts.items() if v} }")
     delay = {k: v for k, v in shared["delay"].items() if k != "delays_s"}
     print(f"  delay until another engine's write is found (--delay-keys): {delay}")

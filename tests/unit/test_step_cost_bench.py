@@ -67,9 +67,27 @@ def test_a_short_run_over_a_real_valkey_server_finds_another_engines_writes():
     args = argparse.Namespace(
         seed=0, model="full", keys=3000, engine_blocks=8000, host_mib=16, requests=24,
         batched_tokens=1024, forward_ms=1.0, warmup_steps=60, steady_steps=10,
-        gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0, delay_keys=5)
+        gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0, delay_keys=5,
+        helpers_niced=True)
     steps = bench_step_cost.run_steps(args)
+    assert steps["shared"]["helpers_niced"]
     assert steps["first_steps"]["report_keys"]["sum"] >= args.keys  # the server's keys
     assert steps["tier"]["read_ok"] > 0 and steps["tier"]["write_ok"] > 0  # real I/O ran
     delay = steps["shared"]["delay"]
     assert delay["keys"] == 5 and delay["not_found"] == 0 and delay["max_ms"] < 30_000
+
+
+def test_helpers_niced_puts_every_thread_of_the_server_at_nice_19():
+    from step_cost_shared import lower_priority
+
+    from kv_offload.backends.valkey.local_server import LocalServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no redis-server on PATH (apt-get install -y redis-server)")
+    with LocalServer() as server:
+        pid = server.process.pid
+        lower_priority(pid)
+        nices = [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(
+            f"/proc/{pid}/task")]
+    assert len(nices) > 1, "redis-server runs background threads: every one is reniced"
+    assert set(nices) == {19}
