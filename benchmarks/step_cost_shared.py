@@ -129,8 +129,8 @@ class SharedTierRun:
                 str(self.block_bytes), str(rate), str(count), *([log] if log else [])]
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(command, preexec_fn=(lambda: os.nice(19)) if self.niced
-                                else None)
+        # (coreutils' nice, not a preexec_fn: that is unsafe in a process with threads)
+        return subprocess.Popen(["nice", "-n", "19", *command] if self.niced else command)
 
     def nice_helpers(self) -> None:
         """The server at nice 19 now (every thread), and every writer started from here."""
