@@ -137,12 +137,10 @@ def test_an_inline_load_whose_copy_threads_are_stuck_fails_within_its_bound(gemm
         outcome = []
         caller = threading.Thread(target=lambda: outcome.append(
             backend.submit(Direction.LOAD, {0: ([3, 11], [4, 0])}, inline=True)), daemon=True)
-        start = time.monotonic()
         caller.start()
-        caller.join(timeout=10)
+        caller.join(timeout=10)  # (the bound is 0.5 s; the stuck threads hold until released)
         try:
             assert outcome, "an inline load waited for its stuck copy threads past its bound"
-            assert time.monotonic() - start < 5
             (result,) = backend.poll()
             assert result.job_id == outcome[0] and not result.success
             assert "TimeoutError" in result.error and result.failed_blocks == ((0, (3, 11)),)
