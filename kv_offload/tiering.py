@@ -84,8 +84,10 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
                  pin: bool | None = None, read_timeout_s: float = 30.0,
                  staging_slots: int | None = None, store_stage_timeout_s: float = 1.0,
                  report_storage_copies: bool = False, codec: RecordCodec = CHECKSUM,
-                 fingerprint: str = "", probe_bytes: int = 0) -> None:
-        self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin)
+                 fingerprint: str = "", probe_bytes: int = 0,
+                 copy_timeout_s: float = 30.0) -> None:
+        self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin,
+                              copy_timeout_s=copy_timeout_s)
         self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
         self.storage = storage
         self.eviction_policy = eviction_policy
@@ -126,9 +128,11 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str, *, records: RankRecords | None = None,
-                    report_storage_copies: bool = False) -> TieredStore:
+                    report_storage_copies: bool = False,
+                    copy_timeout_s: float = 30.0) -> TieredStore:
         """`records`: keep TP-free records in the storage tier, namespaced by their shared
-        fingerprint (`tp_records`); None: this rank's pages under `fingerprint`."""
+        fingerprint (`tp_records`); None: this rank's pages under `fingerprint`.
+        `copy_timeout_s`: the bound on one host copy (`CpuBackend`)."""
         from kv_offload.backends import make_storage_tier
         from kv_offload.backends.sealing import make_codec
         from kv_offload.tp_tier import TPRecordTier
@@ -142,7 +146,8 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         return cls(canonical, config.cpu_bytes_to_use, storage=storage, codec=codec,
                    eviction_policy=config.eviction_policy, fingerprint=fingerprint,
                    report_storage_copies=report_storage_copies,
-                   probe_bytes=probe_bytes_for(config, len(canonical.group_refs)))
+                   probe_bytes=probe_bytes_for(config, len(canonical.group_refs)),
+                   copy_timeout_s=copy_timeout_s)
 
     # --- queries (memory only) ---
 
@@ -248,14 +253,6 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         # pinned before that poll stages any store: this call is on the engine's step path.
         self._new_loads.append(load)
         return load.job_id
-
-    def abandon_store(self, job_id: int) -> None:
-        """The engine may overwrite this store's blocks before its copy ends: whatever it
-        copies is discarded (failed), and no further piece is copied, so no torn block is
-        ever served."""
-        store = self._stores.get(job_id)
-        if store is not None:
-            self._abandon(store)
 
     def poll(self) -> list[TieredResult]:
         """Advance every job; return the results finished since the last call. Never raises."""

@@ -144,3 +144,11 @@ def blocks_of(targets: Mapping[OffloadKey, list[int]]) -> dict[int, list[int]]:
     for (_, group), blocks in targets.items():
         failed.setdefault(group, []).extend(blocks)
     return {g: sorted(b) for g, b in failed.items()}
+
+
+def host_copies_of(cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]],
+                   job: Store | Load) -> list[int]:
+    """The host copies in flight (`TieredStore._cpu_jobs`: CPU job id -> its record) that
+    belong to this store or load. O(copies in flight): for the rare job given up on."""
+    return [cpu_job for cpu_job, record in cpu_jobs.items()
+            if (record.store if isinstance(record, StorePiece) else record[0]) is job]

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from kv_offload.key_view import storage_key
 from kv_offload.manager import SlotState
-from kv_offload.tiering_jobs import Load, Read, TieredResult, blocks_of, transfers
+from kv_offload.tiering_jobs import Load, Read, TieredResult, blocks_of, host_copies_of, transfers
 from kv_offload.types import Direction, Location, OffloadKey
 
 
@@ -44,6 +44,9 @@ class LoadPipeline:
         into the engine at once, storage keys are read into host slots (staged)."""
         loads, self._new_loads = self._new_loads, []
         for load in loads:
+            if load.closed:  # (given up before it was planned)
+                self._finish_load_if_done(load)
+                continue
             try:
                 keys = list(load.targets)
                 where = self.lookup(keys)
@@ -60,6 +63,23 @@ class LoadPipeline:
             except Exception as exc:  # this load fails; the others go on
                 self.faults.failed("load planning", exc)
                 self._fail_load(load)
+            self._finish_load_if_done(load)
+
+    def abandon_load(self, job_id: int) -> None:
+        """The caller stopped waiting for this load (an in-step load past its bound, whose
+        blocks vLLM recomputes): it fails whole, no further piece starts, and its host
+        copies stop before their next op. Its result still comes once nothing of it runs
+        (slots stay pinned until then). O(jobs in flight): a rare path."""
+        loads = [*self._new_loads, *self._staged.values(),
+                 *(r[0] for r in self._cpu_jobs.values() if isinstance(r, tuple)),
+                 *(r.load for r in self._storage_jobs.values() if isinstance(r, Read))]
+        load = next((x for x in loads if x.job_id == job_id), None)
+        if load is None or load.closed:
+            return
+        self._fail_load(load)
+        for cpu_job in host_copies_of(self._cpu_jobs, load):
+            self.cpu.cancel(cpu_job)
+        if not any(x is load for x in self._new_loads):  # (else: at its planning)
             self._finish_load_if_done(load)
 
     def _copy_to_engine(self, load: Load, keys: list[OffloadKey]) -> None:

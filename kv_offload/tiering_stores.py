@@ -33,6 +33,7 @@ from kv_offload.tiering_jobs import (
     TieredResult,
     WriteThrough,
     blocks_of,
+    host_copies_of,
     transfers,
 )
 from kv_offload.types import Direction, OffloadKey
@@ -93,6 +94,16 @@ class StorePipeline:
         for store in list(self._staged_stores.values()):
             self._stage_store(store)
             self._finish_store_if_done(store)
+
+    def abandon_store(self, job_id: int) -> None:
+        """The engine may overwrite this store's blocks before its copy ends: whatever it
+        copies is discarded (failed), no further piece is copied (so no torn block is ever
+        served), and its host copies stop before their next op."""
+        store = self._stores.get(job_id)
+        if store is not None:
+            self._abandon(store)
+            for cpu_job in host_copies_of(self._cpu_jobs, store):  # (stop before next op)
+                self.cpu.cancel(cpu_job)
 
     def _abandon(self, store: Store) -> None:
         store.abandoned = True

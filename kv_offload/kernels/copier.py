@@ -10,6 +10,7 @@ path against any runtime, e.g. the tests' host executor over CPU memory.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -95,15 +96,17 @@ class BlockCopier:
         return self._cpu.copy(plan, strategy)
 
     def submit(self, plan: CopyPlan, ready: EngineReady | None = None,
-               strategy: str | None = None, timeout_s: float | None = None):
+               strategy: str | None = None, timeout_s: float | None = None,
+               cancelled: threading.Event | None = None):
         """Start moving `plan`; returns a handle with `done()` and `wait()` (and
         `error`: the exception that failed it, or None).
         GPU: enqueued on the direction's stream after `ready` (None: no wait), no
-        host wait. CPU: the copy happens here and the handle is already done;
-        `timeout_s` bounds the wait for the copy threads (TimeoutError past it)."""
+        host wait. CPU: the copy happens here and the handle is already done; past
+        `timeout_s` (or once `cancelled` is set) the copy is cancelled and `CopyOverrun`
+        raised, whose `run` ends when the copy threads have (kernels/cpu.py)."""
         if self.asynchronous:
             return self._cuda.submit(plan, ready, strategy)
-        self._cpu.copy(plan, strategy, timeout_s)
+        self._cpu.copy(plan, strategy, timeout_s, cancelled)
         return _Done()
 
     @property

@@ -16,15 +16,20 @@ cut into equal shares for a small pool of threads (one per core, at most
 `MAX_THREADS`), each running its kernels single-threaded: torch's own
 intra-op threads would open a parallel region per row copy, and each region
 stalls whenever another process holds a core.
+
+A copy is bounded: a caller that stops waiting for it (`timeout_s`, or its own
+`cancelled` event) cancels the shares not started, and a running share stops
+before its next op. Only the op in progress when that happens still runs; a
+`CopyOverrun` hands the caller the `CopyRun` to watch until it has ended, so
+nothing that copy reads or writes is reused before its last byte moved.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,10 +134,22 @@ class CpuCopier:
         self.last_strategies: dict[Direction, tuple[str, ...]] = {}  # for benchmarks
 
     def copy(self, plan: CopyPlan, strategy: str | None = None,
-             timeout_s: float | None = None) -> int:
+             timeout_s: float | None = None, cancelled: threading.Event | None = None) -> int:
         """Move every pair of `plan` (by `strategy`, default the cost rule's pick);
-        returns the real bytes moved. `timeout_s`: raise TimeoutError if the copy threads
-        have not finished by then (a stuck thread; shares not started are cancelled)."""
+        returns the real bytes moved. `timeout_s`: past it the copy is cancelled and
+        `CopyOverrun` raised (a stuck thread). `cancelled`: the caller's own stop signal
+        (set: no further op starts; the copy then fails)."""
+        run = self.start(plan, strategy, cancelled)
+        if not run.wait(timeout_s):
+            run.cancel(f"the copy threads did not finish within {timeout_s} s")
+            raise CopyOverrun(run)
+        if run.error is not None:
+            raise run.error
+        return plan.num_bytes
+
+    def start(self, plan: CopyPlan, strategy: str | None = None,
+              cancelled: threading.Event | None = None) -> CopyRun:
+        """Hand `plan`'s shares to the copy threads and return at once (see `copy`)."""
         ops = []
         for group_plan in plan.groups:
             for segment in self._segments[group_plan.group]:
@@ -143,23 +160,14 @@ class CpuCopier:
         self.last_strategies[plan.direction] = tuple(sorted({op.kind for op in ops}))
         shares = _shares(ops, self.threads if plan.num_bytes >= self.split_bytes else 1)
         pool = self._pool(plan.direction)
-        futures = [pool.submit(_run_ops, share) for share in shares]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for future in futures:
-            try:  # re-raises a failed share's exception
-                future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                for other in futures:
-                    other.cancel()
-                raise TimeoutError(f"the copy threads did not finish within {timeout_s} s"
-                                   ) from None
-        return plan.num_bytes
+        cancelled = cancelled or threading.Event()
+        return CopyRun([pool.submit(_run_ops, share, cancelled) for share in shares], cancelled)
 
     def close(self) -> None:
         with self._lock:
             pools, self._pools = self._pools, {}
-        for pool in pools.values():
-            pool.shutdown()
+        for pool in pools.values():  # (no wait: a stuck thread must not hold the caller)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _pool(self, direction: Direction) -> ThreadPoolExecutor:
         with self._lock:
@@ -168,6 +176,68 @@ class CpuCopier:
                     self.threads, f"kv-offload-copy-{direction.value}",
                     initializer=_copy_thread)
             return self._pools[direction]
+
+
+class CopyRun:
+    """One copy's shares on the copy threads: `done()`, `wait()`, `error`, `cancel()`."""
+
+    def __init__(self, futures: list[Future], cancelled: threading.Event) -> None:
+        self._futures = futures
+        self._cancelled = cancelled
+        self._stopped: str | None = None  # why the copy was cancelled
+
+    def done(self) -> bool:
+        """Whether every share has ended: nothing of this copy touches memory any more."""
+        return all(future.done() for future in self._futures)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for every share to end, at most `timeout_s`; whether they all did."""
+        return not wait_futures(self._futures, timeout_s).not_done
+
+    def when_done(self, callback) -> None:
+        """Call `callback()` once every share has ended (now, if they have), on the thread
+        that ends the last one."""
+        left = [len(self._futures)]
+        lock = threading.Lock()
+
+        def one_ended(_future: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+
+        if not self._futures:
+            callback()
+        for future in self._futures:
+            future.add_done_callback(one_ended)
+
+    def cancel(self, why: str) -> None:
+        """Stop the copy: shares not started never start, a running one stops before
+        its next op. The copy fails (`error`) even if every op had already run."""
+        self._stopped = why
+        self._cancelled.set()
+        for future in self._futures:
+            future.cancel()
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the copy failed (None: every op ran); meaningful once `done()`."""
+        if self._stopped is not None or self._cancelled.is_set():
+            return TimeoutError(self._stopped or "the copy was cancelled by its caller")
+        for future in self._futures:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                return future.exception()
+        return None
+
+
+class CopyOverrun(TimeoutError):
+    """A copy outlived its bound and was cancelled; `run` ends when its last running op
+    does (until then its source and destination must not be reused)."""
+
+    def __init__(self, run: CopyRun) -> None:
+        super().__init__(str(run.error))
+        self.run = run
 
 
 def _shares(ops: list[Op], parts: int) -> list[list[Op]]:
@@ -196,8 +266,10 @@ def _shares(ops: list[Op], parts: int) -> list[list[Op]]:
 _stage = threading.local()
 
 
-def _run_ops(ops: list[Op]) -> None:
+def _run_ops(ops: list[Op], cancelled: threading.Event) -> None:
     for op in ops:
+        if cancelled.is_set():  # (the caller stopped waiting: no op starts after that)
+            return
         src, dst = op.src_view, op.dst_view
         if op.kind == "runs":
             dst[op.dst:op.dst + op.count].copy_(src[op.src:op.src + op.count])

@@ -24,9 +24,10 @@ class InStepLoadsOfWorker:
     def _finish_in_step_loads(self, timeout_s: float | None = None) -> None:
         """Lock held: drive the store until this step's in-step loads ended (their copies
         are all in engine memory), at most `timeout_s` (default `copy_timeout_s`); past it,
-        their blocks are reported failed and their late results ignored (a stuck thread:
-        the fault log)."""
-        timeout_s = self.copy_timeout_s if timeout_s is None else timeout_s
+        their blocks are reported failed and the loads given up (a stuck thread: the fault
+        log): no further copy of theirs starts, so vLLM's recompute of those blocks is not
+        overwritten later, and their late results are ignored."""
+        timeout_s = self.copy_timeout_s if timeout_s is None else max(0.0, timeout_s)
         if self._drive_until(lambda: not any(j.in_step for j in self._jobs.values()),
                              timeout_s):
             return
@@ -36,6 +37,7 @@ class InStepLoadsOfWorker:
         for job_id in late:
             self._block_errors.update(self._jobs.pop(job_id).block_ids)
             self._loads_in_flight -= 1
+            self.store.abandon_load(job_id)
 
     def fail_loads(self, request_ids: Collection[str], in_step: Collection[str] = (),
                    loads: Mapping[str, GroupBlocks] | None = None,

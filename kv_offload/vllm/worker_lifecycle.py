@@ -32,7 +32,10 @@ class LifecycleOfWorker:
         with self._lock:
             if not self._drive_until(lambda: not self._loads_in_flight, self.copy_timeout_s):
                 self.faults.failed("sleep", f"{self._loads_in_flight} load(s) still filling "
-                                   f"engine memory after {self.copy_timeout_s} s")
+                                   f"engine memory after {self.copy_timeout_s} s; given up")
+                for job_id, job in self._jobs.items():  # (no further copy into that memory)
+                    if job.request_id is not None:
+                        self.store.abandon_load(job_id)
 
     def resume(self) -> None:
         """Engine memory is mapped again: loads and stores run again (the tiers kept their

@@ -125,7 +125,8 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         with spread_threads(self.engine_pins_threads):  # off the forward's cores
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint, records=records,
-                report_storage_copies=self.report_storage_copies)
+                report_storage_copies=self.report_storage_copies,
+                copy_timeout_s=self.copy_timeout_s)
             copies = self._setup_layers([group.spec for group in groups])
             logger.info("kv-offload rank %d: %s; %s", self.rank, self.store.describe(), copies)
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
@@ -193,6 +194,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         loads finished before returning, or layer-wise before each layer's forward
         (worker_layers.py): vLLM runs their requests in this step. Their blocks that did not
         arrive, and `failed_blocks` (unplanned in-step loads), go to `take_block_errors`."""
+        deadline = time.monotonic() + self.copy_timeout_s  # (in-step: one bound per step)
         with self._lock:
             self._failed_now.update(failed)
             self._block_errors.update(failed_blocks)
@@ -222,7 +224,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             if self._layer_loads:
                 self._pump_once()  # planned now: the copies start before the forward does
             elif in_step:
-                self._finish_in_step_loads()
+                self._finish_in_step_loads(deadline - time.monotonic())
         self._pump.wake()
 
     def start_stores(self, stores: GroupBlocks) -> None:

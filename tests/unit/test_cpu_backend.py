@@ -130,7 +130,7 @@ def test_an_inline_load_whose_copy_threads_are_stuck_fails_within_its_bound(gemm
     # The engine thread copies an inline load itself: a stuck copy thread must fail the job
     # (its blocks recompute), not hold the engine, as the worker's bound does for queued ones.
     _, canonical = gemma
-    with CpuBackend(canonical, 10 << 20, inline_timeout_s=0.5) as backend:
+    with CpuBackend(canonical, 10 << 20, copy_timeout_s=0.5) as backend:
         copier = backend.copier._cpu
         release = threading.Event()
         stuck = [copier._pool(Direction.LOAD).submit(release.wait) for _ in range(copier.threads)]

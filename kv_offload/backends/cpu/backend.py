@@ -10,6 +10,11 @@ An *inline* job (an in-step load, whose caller would only wait for it) is planne
 and copied on the calling thread on CPU engines, beside the queue: one thread
 hand-off less on the engine's step path; on a GPU it is queued like any other.
 
+A CPU copy is bounded (`copy_timeout_s`; `cancel`: its caller's own bound): past it no
+further op starts, yet the job ends only once the op still running has. A result means
+nothing of the job touches memory any more: whoever waits for results (the tiered
+store's slot pins, vLLM keeping a loading request's blocks) keeps that memory till then.
+
 Engine memory on the CPU: a worker copies a job on the spot. On a GPU: a worker
 only enqueues the job on the direction's copy stream (several jobs may be in
 flight) and the job completes when its event does, seen by `event.query()` from
@@ -45,6 +50,7 @@ from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
 from kv_offload.kernels import BlockCopier, HostSlotLayout
+from kv_offload.kernels.cpu import CopyOverrun
 from kv_offload.kernels.plan import CopyPlan, IdsLike, id_array
 from kv_offload.kernels.runtime import CudaRuntime, EngineReady
 from kv_offload.transfer import BlockTransfer, Direction, TransferJob, TransferResult
@@ -61,7 +67,7 @@ class _Queued:
     job: TransferJob
     ready: EngineReady | None
     layers: LayerSteps | None = None  # a job cut per layer (layer_copies.py)
-    timeout_s: float | None = None  # an inline job: the copy is failed past this (CPU)
+    cancelled: threading.Event | None = None  # set: the caller gave the job up (CPU)
 
 
 @dataclass
@@ -77,12 +83,14 @@ class CpuBackend:
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
                  pin: bool | None = None, runtime: CudaRuntime | None = None,
-                 gate_timeout_s: float = 30.0, inline_timeout_s: float = 30.0) -> None:
+                 gate_timeout_s: float = 30.0, copy_timeout_s: float = 30.0,
+                 close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """`runtime` drives the GPU copy path with another CUDA runtime than cupy's
         (the tests' host executor); by default the engine memory's device decides.
         `gate_timeout_s`: how long a store cut per layer waits for a layer's release.
-        `inline_timeout_s`: how long an inline job's caller waits for its copy threads
-        (a stuck one fails the job, as the worker's bound would fail a queued one)."""
+        `copy_timeout_s`: how long one CPU copy is waited for (by the engine's thread for
+        an inline job, a job thread otherwise) before it is cancelled and fails.
+        `close_timeout_s`: how long `close` waits for copies still running."""
         self.layout = HostSlotLayout.from_canonical(canonical)
         self.pool = allocate_pool(self.layout, cpu_bytes_to_use, pin, runtime)
         # Page-locked (the GPU reaches it), or plain memory whose pages are faulted in
@@ -94,7 +102,8 @@ class CpuBackend:
             self.prefaulter.start()
         self.copier = BlockCopier(canonical, self.pool, self.layout, runtime)
         self.gate_timeout_s = gate_timeout_s
-        self.inline_timeout_s = inline_timeout_s
+        self.copy_timeout_s = copy_timeout_s
+        self.close_timeout_s = close_timeout_s
         # Jobs cut per layer: CPU engine memory whose layers each have their own bytes
         # (GPU copies run on streams and are not cut yet: such jobs run whole).
         self.layer_copier = None if self.copier.asynchronous or layer_cut_refusal(canonical) \
@@ -105,7 +114,8 @@ class CpuBackend:
         self._pending: set[int] = set()
         self._cond = threading.Condition()
         self._closed = False
-        self._copies_abandoned = False  # a GPU copy still ran when close() gave up on it
+        self._copies_abandoned = False  # a copy still ran when close() gave up on it
+        self._cancels: dict[int, threading.Event] = {}  # pending CPU jobs' stop signals
         self._queues = {d: queue.SimpleQueue() for d in Direction}
         self._in_flight: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
         self._workers = [
@@ -172,11 +182,18 @@ class CpuBackend:
         job whose copies cannot be cut per layer waits for every gate, then runs whole).
         `inline` (CPU engines, no `layers`): copy here, before returning (the result is
         then ready for `poll`); the copy's own threads still move the bytes."""
+        cancelled = None if self.copier.asynchronous else threading.Event()
         with self._cond:
             if self._closed:
                 raise TierClosedError("CpuBackend is closed; no new jobs are accepted")
             job_id = next(self._ids)
             self._pending.add(job_id)
+            if cancelled is not None:
+                self._cancels[job_id] = cancelled
+            # (while a cancelled copy still runs, a copy thread is stalled: the engine's
+            # thread does not wait for them again, the job thread does; O(such copies))
+            inline = inline and cancelled is not None and \
+                all(f.handle.done() for f in self._in_flight[direction])
         try:
             job = TransferJob(job_id, direction, _block_transfers(transfers))
             if ready is None and self.copier.asynchronous:
@@ -189,11 +206,20 @@ class CpuBackend:
             return job_id
         if inline and layers is None and not self.copier.asynchronous:
             # (the CPU copies on the spot: the result is in at return, at most the bound)
-            self._start(_Queued(job, ready, timeout_s=self.inline_timeout_s))
+            self._start(_Queued(job, ready, cancelled=cancelled))
             self._collect(direction)
         else:
-            self._queues[direction].put(_Queued(job, ready, layers))
+            self._queues[direction].put(_Queued(job, ready, layers, cancelled))
         return job_id
+
+    def cancel(self, job_id: int) -> None:
+        """The caller gave this job up (CPU): it does not start if it has not, and a copy
+        under way stops before its next op. It still ends with one (failed) result, once
+        nothing of it runs. A finished or unknown job, or a GPU one, is left as it is."""
+        with self._cond:
+            cancelled = self._cancels.get(job_id)
+        if cancelled is not None:
+            cancelled.set()
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs finished since the last call, each once. Never blocks
@@ -267,7 +293,7 @@ class CpuBackend:
                 break
             self._start(queued)
             self._collect(direction)
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        deadline = time.monotonic() + self.close_timeout_s
         while self._in_flight[direction] and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL_S)
             self._collect(direction)
@@ -282,11 +308,20 @@ class CpuBackend:
     def _start(self, queued: _Queued) -> None:
         job, start = queued.job, time.perf_counter()
         try:
+            if queued.cancelled is not None and queued.cancelled.is_set():
+                raise TimeoutError("the job was cancelled by its caller before it started")
             checked = self.copier.plan(job.direction, {
                 t.group: (t.block_ids, t.slot_ids) for t in job.transfers
             })
             plan = self.slot_map.physical(checked, self.copier.canonical.num_blocks)
             handle = self._submit_plan(plan, queued)
+        except CopyOverrun as overrun:  # ends, failed, once its last running op has
+            logger.warning("kv-offload %s job %d: %s; it fails once its copy threads are "
+                           "done", job.direction.value, job.job_id, overrun)
+            with self._cond:
+                self._in_flight[job.direction].append(_InFlight(job, overrun.run, 0, start))
+            overrun.run.when_done(lambda: self._collect(job.direction))
+            return
         except Exception as exc:
             self._finish(_failure(job.job_id, job.direction, job.transfers,
                                   time.perf_counter() - start, exc))
@@ -296,32 +331,34 @@ class CpuBackend:
 
     def _submit_plan(self, plan, queued: _Queued):
         """Hand a checked plan to the copier: whole, or a layer at a time."""
-        steps = queued.layers
+        steps, bound, cancelled = queued.layers, self.copy_timeout_s, queued.cancelled
         if steps is None:
-            return self.copier.submit(plan, queued.ready, timeout_s=queued.timeout_s)
+            return self.copier.submit(plan, queued.ready, timeout_s=bound, cancelled=cancelled)
         if self.layer_copier is not None and steps.num_layers == self.layer_copier.num_layers:
-            self.layer_copier.copy(plan, steps, self.gate_timeout_s)
+            self.layer_copier.copy(plan, steps, self.gate_timeout_s, bound, cancelled)
             return self.copier.submit(_EMPTY_PLANS[plan.direction])  # (done: a handle)
         for layer in range(steps.num_layers):  # not cut: after the last gate, whole
             if not steps.wait_open(layer, self.gate_timeout_s):
                 raise TimeoutError(f"layer {layer} was not released within "
                                    f"{self.gate_timeout_s} s")
-        return self.copier.submit(plan, queued.ready)
+        return self.copier.submit(plan, queued.ready, timeout_s=bound, cancelled=cancelled)
 
     def _collect(self, direction: Direction) -> None:
-        """Finish the direction's jobs whose copies have completed, oldest first (one
-        stream: a job completes only after the ones enqueued before it)."""
+        """Finish the direction's jobs whose copies have completed: on a GPU oldest first
+        (one stream: a job completes only after the ones enqueued before it); on the CPU
+        any (only a cancelled copy still running is in flight there)."""
         with self._cond:
             flights = self._in_flight[direction]
-            while flights:
-                flight = flights[0]
+            for flight in list(flights):
                 try:
                     if not flight.handle.done():
-                        break
+                        if self.copier.asynchronous:
+                            break
+                        continue
                     error = flight.handle.error
                 except Exception as exc:  # the runtime failed the query itself
                     error = exc
-                flights.popleft()
+                flights.remove(flight)
                 seconds = time.perf_counter() - flight.started
                 job = flight.job
                 self._finish_locked(
@@ -334,6 +371,7 @@ class CpuBackend:
 
     def _finish_locked(self, result: TransferResult) -> None:
         self._pending.discard(result.job_id)
+        self._cancels.pop(result.job_id, None)
         self._finished[result.job_id] = result
         self._cond.notify_all()
 

@@ -135,18 +135,25 @@ class LayerCopier:
     def num_layers(self) -> int:
         return len(self.layer_names)
 
-    def copy(self, plan: CopyPlan, steps: LayerSteps, gate_timeout_s: float) -> int:
+    def copy(self, plan: CopyPlan, steps: LayerSteps, gate_timeout_s: float,
+             timeout_s: float | None = None, cancelled: threading.Event | None = None) -> int:
         """Copy `plan` layer by layer (gates and progress in `steps`); the bytes moved.
-        Raises TimeoutError if a gate stays closed past `gate_timeout_s`."""
+        Raises TimeoutError if a gate stays closed past `gate_timeout_s`, `CopyOverrun`
+        if a layer's copy outlives `timeout_s`, and stops before the next layer once
+        `cancelled` is set (the caller gave the job up)."""
         pairs = plan.groups[0] if plan.groups else None
         for layer in range(self.num_layers):
             if not steps.wait_open(layer, gate_timeout_s):
                 raise TimeoutError(f"layer {self.layer_names[layer]} was not released by the "
                                    f"forward within {gate_timeout_s} s")
+            if cancelled is not None and cancelled.is_set():
+                raise TimeoutError(f"the copy was cancelled by its caller before layer "
+                                   f"{self.layer_names[layer]}")
             if pairs is not None:
                 self._copier.copy(CopyPlan(plan.direction, (
                     GroupPlan(layer, pairs.src, pairs.dst),),
-                    pairs.num_pairs * self._bytes[layer]))
+                    pairs.num_pairs * self._bytes[layer]), timeout_s=timeout_s,
+                    cancelled=cancelled)
             steps.mark_copied(layer)
         return plan.num_bytes
 
