@@ -64,6 +64,10 @@ class OffloadConfig:
     start-up: `kv_offload.tiering_probe`). Unmeasured (no read yet) or slower: asynchronous,
     so a large read never stalls the batch. 0: storage reads always asynchronous (and no
     probe read)."""
+    copy_timeout_s: float = 30.0
+    """The longest the engine waits for one copy between engine memory and host memory (a
+    copy thread the OS does not run): past it an in-step load's blocks are recomputed and the
+    load given up, a store is abandoned (docs/operations.md, "When a copy thread stalls")."""
     layer_wise: bool = False
     """In-step loads and stores move layer by layer through vLLM's per-layer hooks (the
     forward of layer i overlaps the copies of the other layers) where the KV cache can be
@@ -148,6 +152,13 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
                               f"(0: reads from the storage tier always load asynchronously), "
                               f"got {seconds!r}")
         values["in_step_read_s"] = float(seconds)
+    if "copy_timeout_s" in extra:
+        seconds = extra["copy_timeout_s"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
+                not 0 < seconds <= 600:
+            raise ConfigError(f"copy_timeout_s must be a number of seconds above 0 and at "
+                              f"most 600, got {seconds!r}")
+        values["copy_timeout_s"] = float(seconds)
     if "block_size" in extra:
         block = extra["block_size"]
         if isinstance(block, bool) or not isinstance(block, int) or block <= 0:

@@ -77,7 +77,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
-                 tp_share: TPShare | None = None, copy_timeout_s: float = 30.0,
+                 tp_share: TPShare | None = None,
                  report_storage_copies: bool = False,
                  engine_pins_threads: bool = False) -> None:
         self.config = config
@@ -88,7 +88,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         # TP-free records in the storage tier (None: this rank's own namespace, as a tool
         # or test without a TP identity opens it).
         self.tp_share = tp_share
-        self.copy_timeout_s = copy_timeout_s
+        self.copy_timeout_s = config.copy_timeout_s
         self.canonical: CanonicalKVCaches | None = None
         self.store: TieredStore | None = None
         self.faults = FaultLog(f"kv-offload rank {rank}")

@@ -20,8 +20,10 @@ def test_full_config(tmp_path):
     config = parse_config({
         "cpu_bytes_to_use": "16GiB", "fs_root_dir": str(tmp_path), "fs_bytes_to_use": "1.5 TB",
         "block_size": 256, "eviction_policy": "arc", "fs_fsync": True, "layer_wise": True,
+        "copy_timeout_s": 5,
     })
     assert config.layer_wise and not OffloadConfig(cpu_bytes_to_use=1).layer_wise
+    assert config.copy_timeout_s == 5.0 and OffloadConfig(cpu_bytes_to_use=1).copy_timeout_s == 30
     assert config.cpu_bytes_to_use == 16 * 2**30
     assert config.fs_bytes_to_use == 1_500_000_000_000
     assert config.fs_root_dir == str(tmp_path)
@@ -55,6 +57,9 @@ def test_sizes(value, expected):
     ({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, r"one of \['lru', 'arc'\]"),
     ({"cpu_bytes_to_use": 1, "fs_fsync": "yes"}, "fs_fsync must be true or false"),
     ({"cpu_bytes_to_use": 1, "layer_wise": 1}, "layer_wise must be true or false"),
+    ({"cpu_bytes_to_use": 1, "copy_timeout_s": 0}, "copy_timeout_s must be a number of seconds"),
+    ({"cpu_bytes_to_use": 1, "copy_timeout_s": "30"}, "copy_timeout_s must be a number"),
+    ({"cpu_bytes_to_use": 1, "copy_timeout_s": 601}, "above 0 and at most 600, got 601"),
 ])
 def test_errors_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -28,33 +28,60 @@ from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
 BOUND_S = 0.3  # the worker's copy bound under test
 
 
+def worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes):
+    """A worker whose disk holds `hashes` (blocks 1.. of `engine`, written by an earlier
+    one) and whose disk results are held back until the returned event is set."""
+    first = make_worker(engine, tmp_path)
+    workers.append(first)
+    store(first, {0: (hashes, list(range(1, 1 + len(hashes))))})
+    first.shutdown()  # on disk now
+    worker = OffloadWorker(OffloadConfig(cpu_bytes_to_use=1 << 20,
+                                         fs_root_dir=str(tmp_path / "kv"),
+                                         fs_bytes_to_use=64 << 20, in_step_read_s=0,
+                                         copy_timeout_s=BOUND_S), 0, "test-model")
+    worker.register(engine.caches, engine.groups, NUM_BLOCKS)
+    workers.append(worker)
+    wait_for_changes(worker, {(h, 0): ON_DISK for h in hashes})
+    flowing = threading.Event()  # set: the disk's results reach the store
+    poll = worker.store.storage.poll
+    monkeypatch.setattr(worker.store.storage, "poll",
+                        lambda: poll() if flowing.is_set() else [])
+    return worker, flowing
+
+
+def unchanged(engine, blocks, before) -> list[bool]:
+    return [all(torch.equal(x, y) for x, y in zip(engine.block_bytes(0, b), r))
+            for b, r in zip(blocks, before)]
+
+
 def test_an_in_step_load_past_its_bound_is_recomputed_and_never_written_later(
         workers, tmp_path, monkeypatch):
     engine = Engine()
-    first = make_worker(engine, tmp_path)
-    workers.append(first)
     hashes = [block_hash(i, b"late") for i in range(2)]
-    store(first, {0: (hashes, [1, 2])})
-    first.shutdown()  # on disk now
-    second = OffloadWorker(OffloadConfig(cpu_bytes_to_use=1 << 20,
-                                         fs_root_dir=str(tmp_path / "kv"),
-                                         fs_bytes_to_use=64 << 20, in_step_read_s=0),
-                           0, "test-model", copy_timeout_s=BOUND_S)
-    second.register(engine.caches, engine.groups, NUM_BLOCKS)
-    workers.append(second)
-    wait_for_changes(second, {(h, 0): ON_DISK for h in hashes})
-    flowing = threading.Event()  # set: the disk's results reach the store
-    poll = second.store.storage.poll
-    monkeypatch.setattr(second.store.storage, "poll",
-                        lambda: poll() if flowing.is_set() else [])
-
-    second.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
-    assert second.take_block_errors() == {5, 6}, "the late blocks were not reported"
+    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
+    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
+    assert worker.take_block_errors() == {5, 6}, "the late blocks were not reported"
     engine.zero(0, [5, 6])  # vLLM's recompute of those blocks (stand-in bytes)
     recomputed = [engine.block_bytes(0, b) for b in (5, 6)]
     flowing.set()
-    second.shutdown()  # waits for every job: the given-up load's read lands meanwhile
-    workers.remove(second)
-    assert [all(torch.equal(x, y) for x, y in zip(engine.block_bytes(0, b), r))
-            for b, r in zip((5, 6), recomputed)] == [True, True], \
+    worker.shutdown()  # waits for every job: the given-up load's read lands meanwhile
+    workers.remove(worker)
+    assert unchanged(engine, (5, 6), recomputed) == [True, True], \
         "a load given up on wrote its blocks after vLLM recomputed them"
+
+
+def test_sleep_gives_up_loads_still_reading_so_nothing_writes_unmapped_memory(
+        workers, tmp_path, monkeypatch):
+    engine = Engine()
+    hashes = [block_hash(i, b"asleep") for i in range(2)]
+    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
+    worker.start_loads({"r": {0: (hashes, [5, 6])}})  # asynchronous: waits for the disk
+    before = [engine.block_bytes(0, b) for b in (5, 6)]
+    worker.suspend()  # vLLM unmaps engine memory next: gives the load up at the bound
+    flowing.set()
+    worker.shutdown()  # the read lands meanwhile
+    workers.remove(worker)
+    assert unchanged(engine, (5, 6), before) == [True, True], \
+        "a load went on writing engine memory after sleep gave it up"
+    finished, failed = worker.finished_loads()
+    assert finished == failed == {"r"}  # (reported failed: vLLM recomputes it)
