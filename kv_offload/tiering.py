@@ -128,11 +128,9 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
                     fingerprint: str, *, records: RankRecords | None = None,
-                    report_storage_copies: bool = False,
-                    copy_timeout_s: float = 30.0) -> TieredStore:
+                    report_storage_copies: bool = False) -> TieredStore:
         """`records`: keep TP-free records in the storage tier, namespaced by their shared
-        fingerprint (`tp_records`); None: this rank's pages under `fingerprint`.
-        `copy_timeout_s`: the bound on one host copy (`CpuBackend`)."""
+        fingerprint (`tp_records`); None: this rank's pages under `fingerprint`."""
         from kv_offload.backends import make_storage_tier
         from kv_offload.backends.sealing import make_codec
         from kv_offload.tp_tier import TPRecordTier
@@ -147,7 +145,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
                    eviction_policy=config.eviction_policy, fingerprint=fingerprint,
                    report_storage_copies=report_storage_copies,
                    probe_bytes=probe_bytes_for(config, len(canonical.group_refs)),
-                   copy_timeout_s=copy_timeout_s)
+                   copy_timeout_s=config.copy_timeout_s)
 
     # --- queries (memory only) ---
 

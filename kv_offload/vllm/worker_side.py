@@ -125,8 +125,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         with spread_threads(self.engine_pins_threads):  # off the forward's cores
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint, records=records,
-                report_storage_copies=self.report_storage_copies,
-                copy_timeout_s=self.copy_timeout_s)
+                report_storage_copies=self.report_storage_copies)
             copies = self._setup_layers([group.spec for group in groups])
             logger.info("kv-offload rank %d: %s; %s", self.rank, self.store.describe(), copies)
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
