@@ -17,6 +17,11 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
                       if there is one; skipped otherwise): what the memory system allows
                       without an interpreter in the way
+  numpy_2_huge        numpy_2 again, engine and pool copied into memory on 2 MiB pages
+                      (transparent huge pages, `madvise`), its ratio to a plain copy between
+                      those same buffers: what the scatter loses to address translation
+                      (a random 2 KiB row is a TLB miss on 4 KiB pages); skipped where the
+                      kernel gives no huge pages (`huge_mib`: how many it gave)
 
     python benchmarks/bench_row_scatter.py --json row-scatter.json
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -94,6 +100,52 @@ def on_threads(fn, parts: int, n: int):
     return run
 
 
+def anon_huge_kib() -> int:
+    """This process's anonymous memory on huge pages, KiB (0 where the kernel cannot say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f
+                         if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
+
+
+def huge_page_copy(array: np.ndarray) -> tuple[mmap.mmap, np.ndarray] | None:
+    """`array` copied into private anonymous memory advised onto 2 MiB pages (None: no
+    MADV_HUGEPAGE here). Keep the mmap alive while the view is used."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return None
+    region = mmap.mmap(-1, array.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(advice)  # (before the first touch: the pages fault in huge)
+    view = np.frombuffer(region, dtype=array.dtype).reshape(array.shape)
+    view[...] = array
+    return region, view
+
+
+def huge_page_scatter(engine_np: np.ndarray, pool_np: np.ndarray, ids: np.ndarray,
+                      repeats: int) -> dict[str, float]:
+    """numpy_2 between copies of the buffers on 2 MiB pages, as a ratio to a plain copy
+    between those copies; {} where the kernel gave no huge pages."""
+    before = anon_huge_kib()
+    engine_copy, pool_copy = huge_page_copy(engine_np), huge_page_copy(pool_np)
+    if engine_copy is None or pool_copy is None:
+        return {}
+    gained_mib = (anon_huge_kib() - before) / 1024
+    if gained_mib <= 0:
+        return {}
+    engine_huge, pool_huge = engine_copy[1], pool_copy[1]
+    n = pool_huge.shape[0]
+
+    def part(a: int, b: int) -> None:
+        engine_huge[ids[a:b]] = pool_huge[a:b]
+
+    plain = best_of(lambda: torch.from_numpy(engine_huge[:n]).copy_(torch.from_numpy(pool_huge)),
+                    repeats)
+    scatter = best_of(on_threads(part, 2, n), repeats)
+    return {"numpy_2_huge": plain / scatter, "huge_mib": gained_mib}
+
+
 def c_probe(ids: np.ndarray, threads: int, repeats: int) -> float | None:
     """The C memcpy loop's time / a C memcpy of the same bytes (None: no compiler)."""
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -158,6 +210,7 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
         }
         ratios = {name: plain / t for name, t in figures.items()}
         ratios["plain_gbps"] = n * PAGE / plain / 1e9
+        ratios.update(huge_page_scatter(engine_np, pool_np, ids, repeats))
         for threads in (1, 2):
             ratio = c_probe(ids, threads, repeats)
             if ratio is not None:
