@@ -26,12 +26,17 @@ def logical_pool(backend: CpuBackend) -> torch.Tensor:
     return backend.pool[torch.from_numpy(backend.pool_rows(np.arange(backend.num_slots)))]
 
 
-@pytest.fixture
-def gemma():
+def gemma_model():
+    """A Gemma-3-like engine (12 blocks, random bytes) and its canonical view."""
     model = build_example("gemma3", 12)
     randomize(model.buffer, 1)
     canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)
     return model, canonical
+
+
+@pytest.fixture
+def gemma():
+    return gemma_model()
 
 
 def test_store_scribble_load_round_trip(gemma):

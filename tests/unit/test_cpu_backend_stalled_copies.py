@@ -11,13 +11,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_cpu_backend import logical_pool
+from test_cpu_backend import gemma_model, logical_pool
 from test_kernels import randomize, reference_load
 
-from kv_offload import canonicalize
 from kv_offload.backends.cpu import CpuBackend
 from kv_offload.kernels import cpu as cpu_kernels
-from kv_offload.testing.example_models import build_example
 from kv_offload.transfer import Direction
 
 WAIT_S = 30  # generous: only reached if something hangs
@@ -51,10 +49,7 @@ class Stall:
 
 @pytest.fixture
 def gemma():
-    model = build_example("gemma3", 12)
-    randomize(model.buffer, 1)
-    canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)
-    return model, canonical
+    return gemma_model()
 
 
 def in_thread(fn) -> list:
