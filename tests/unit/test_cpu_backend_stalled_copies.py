@@ -15,7 +15,11 @@ from test_cpu_backend import gemma_model, logical_pool
 from test_kernels import randomize, reference_load
 
 from kv_offload.backends.cpu import CpuBackend
+from kv_offload.backends.cpu.layer_copies import LayerSteps
+from kv_offload.canonical import canonicalize
 from kv_offload.kernels import cpu as cpu_kernels
+from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.transfer import Direction
 
 WAIT_S = 30  # generous: only reached if something hangs
@@ -133,3 +137,27 @@ def test_close_does_not_wait_forever_for_a_stalled_copy(gemma, monkeypatch):
         assert result.job_id == job and not result.success
     finally:
         stall.release()
+
+
+def test_a_load_cut_per_layer_that_is_cancelled_copies_no_further_layer(monkeypatch):
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    layers = [f"layers.{i}.attn" for i in range(4)]
+    buffer, caches = allocate_kv_caches([KVCacheGroup(layers, spec)], 16, "LBHNC")
+    randomize(buffer, 5)
+    canonical = canonicalize(caches, [KVCacheGroup(layers, spec)], 16)
+    with CpuBackend(canonical, 4 * 4 * spec.page_size_bytes, copy_timeout_s=WAIT_S) as backend:
+        assert backend.layer_copier is not None  # (this view is cut per layer)
+        (stored,) = backend.wait([backend.submit_store({0: ([1, 2], [0, 1])})], timeout=WAIT_S)
+        assert stored.success
+        randomize(buffer, 6)
+        before = buffer.clone()
+        stall = Stall(monkeypatch)  # holds layer 0's copy
+        steps = LayerSteps.for_load(len(layers))
+        job = backend.submit(Direction.LOAD, {0: ([7, 8], [0, 1])}, layers=steps)
+        assert stall.held.wait(WAIT_S)
+        backend.cancel(job)  # (the worker gave the load up)
+        stall.release()
+        (result,) = backend.wait([job], timeout=WAIT_S)
+        assert not result.success and "cancelled" in result.error
+        assert steps.num_copied == 0
+        assert torch.equal(buffer, before)  # no layer was written
