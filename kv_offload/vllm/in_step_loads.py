@@ -19,6 +19,9 @@ A hit loads in-step only when that is both safe and cheap (else asynchronously, 
   already holds keys: kv_offload.tiering_probe; else its first read measures the tier).
   A read inside the step stalls every request of the batch for its duration, so large
   reads stay asynchronous;
+- no rank reports a stalled copy (an in-step load it gave up at `copy_timeout_s` still runs):
+  while one does, a new in-step load would wait the same bound, a stall of the whole batch
+  at every step; asynchronous loads keep the engine going meanwhile;
 - the model has one KV-cache group of attention layers: a failed in-step load is reported
   to vLLM as block ids (`get_block_ids_with_load_errors`, which vLLM 0.32 refuses for
   models with several groups), and Mamba-type groups in prefix-caching align mode need the
@@ -51,11 +54,19 @@ class InStepLoads:
             not isinstance(specs[0], MambaSpec) and len(self.block_bytes) == 1
         self._block_size = [spec.block_size for spec in specs]
         self._read_rates: dict[int, float] = {}  # rank -> measured bytes/s (reports)
+        self._stalled: set[int] = set()  # ranks whose given-up in-step loads still run
 
     def reported_read_rate(self, rank: int, bytes_per_s: float) -> None:
         """A rank's report of its measured storage read throughput (0: none yet)."""
         if bytes_per_s > 0:
             self._read_rates[rank] = bytes_per_s
+
+    def reported_stalled(self, rank: int, stalled: bool) -> None:
+        """A rank's report of whether an in-step load it gave up still runs."""
+        if stalled:
+            self._stalled.add(rank)
+        else:
+            self._stalled.discard(rank)
 
     def fits(self, hit: Any, local_tokens: int, keys: RankKeys,
              hash_of: Callable[[int, int], bytes],
@@ -65,7 +76,7 @@ class InStepLoads:
         (or its store planned: `planned(group)`, it lands in host memory) or read from the
         storage tier within the read-time budget. O(blocks loaded x ranks), once per lookup
         that hits."""
-        if not self.enabled:
+        if not self.enabled or self._stalled:
             return False
         total = 0
         read_bytes: dict[int, int] = {}  # rank -> bytes it must read from its storage tier

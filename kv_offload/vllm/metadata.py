@@ -74,6 +74,9 @@ class RankReport:
     """The stores and resets of every step up to this one show in the changes."""
     read_bytes_per_s: float = 0.0
     """The rank's measured storage read throughput (`kv_offload.read_rate`; 0: none yet)."""
+    copies_stalled: bool = False
+    """An in-step load of this rank passed `copy_timeout_s` and still runs (a stalled copy
+    thread, a slow read): until it ends, another in-step load would wait for it too."""
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.held):
@@ -82,10 +85,10 @@ class RankReport:
 
     @classmethod
     def of(cls, changes: Iterable[KeyChange], reset: bool, reflected_step: int,
-           read_bytes_per_s: float = 0.0) -> RankReport:
+           read_bytes_per_s: float = 0.0, copies_stalled: bool = False) -> RankReport:
         changes = tuple(changes)
         return cls(tuple(change.key for change in changes), bytes(map(held_bits, changes)),
-                   reset, reflected_step, read_bytes_per_s)
+                   reset, reflected_step, read_bytes_per_s, copies_stalled)
 
     @property
     def changes(self) -> tuple[KeyChange, ...]:
@@ -114,6 +117,7 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
                 later = RankReport(earlier.keys + later.keys, earlier.held + later.held,
                                    earlier.reset,
                                    max(earlier.reflected_step, later.reflected_step),
-                                   later.read_bytes_per_s or earlier.read_bytes_per_s)
+                                   later.read_bytes_per_s or earlier.read_bytes_per_s,
+                                   later.copies_stalled)
             merged[rank] = later
         return KVOffloadWorkerMetadata(merged)

@@ -300,6 +300,7 @@ class OffloadScheduler(SchedulerRecovery):
         for rank, report in meta.reports.items():
             self._lag.reported(rank, report.reflected_step)
             self.in_step.reported_read_rate(rank, report.read_bytes_per_s)
+            self.in_step.reported_stalled(rank, report.copies_stalled)
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
 
     def source_of(self, request_id: str) -> Location:

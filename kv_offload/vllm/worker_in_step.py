@@ -38,6 +38,7 @@ class InStepLoadsOfWorker:
             self._block_errors.update(self._jobs.pop(job_id).block_ids)
             self._loads_in_flight -= 1
             self.store.abandon_load(job_id)
+            self._given_up.add(job_id)  # (reported as stalled copies until its result comes)
 
     def fail_loads(self, request_ids: Collection[str], in_step: Collection[str] = (),
                    loads: Mapping[str, GroupBlocks] | None = None,

@@ -102,6 +102,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         self._outcomes: list[Outcome] = []
         self._failed_now: set[str] = set()  # loads that could not even start
         self._block_errors: set[int] = set()  # blocks of in-step loads that did not arrive
+        self._given_up: set[int] = set()  # in-step loads given up whose copies may still run
         # This step's in-step blocks: all reported failed if the errors cannot be taken.
         self.in_step_blocks: set[int] = set()
         self._stats = KVOffloadStats()
@@ -278,7 +279,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                 self.faults.failed("report", exc)
             report = RankReport(tuple(self._report_keys), bytes(self._report_held),
                                 self._report_reset, self._reflected_step(),
-                                self.store.read_rate.bytes_per_s)
+                                self.store.read_rate.bytes_per_s, bool(self._given_up))
             self._clear_report(reset=False)
         return KVOffloadWorkerMetadata({self.rank: report})
 
@@ -334,6 +335,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         """Lock held: hand each job's result over once (an unknown id was delivered)."""
         now = time.monotonic()
         for result in results:
+            self._given_up.discard(result.job_id)  # (nothing of it runs any more)
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
                 self._outcomes.append(Outcome(result, job, now - job.started))

@@ -18,6 +18,8 @@ from test_vllm_worker_side import (  # noqa: E402
     Engine,
     block_hash,
     make_worker,
+    poll_until,
+    report,
     store,
     wait_for_changes,
 )
@@ -61,10 +63,14 @@ def test_an_in_step_load_past_its_bound_is_recomputed_and_never_written_later(
     worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
     worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
     assert worker.take_block_errors() == {5, 6}, "the late blocks were not reported"
+    # Until that load ends, the scheduler is told: no new in-step load waits on it.
+    assert report(worker).copies_stalled
     engine.zero(0, [5, 6])  # vLLM's recompute of those blocks (stand-in bytes)
     recomputed = [engine.block_bytes(0, b) for b in (5, 6)]
     flowing.set()
-    worker.shutdown()  # waits for every job: the given-up load's read lands meanwhile
+    poll_until(lambda: not report(worker).copies_stalled,
+               lambda: "the given-up load never ended")
+    worker.shutdown()  # waits for every job
     workers.remove(worker)
     assert unchanged(engine, (5, 6), recomputed) == [True, True], \
         "a load given up on wrote its blocks after vLLM recomputed them"

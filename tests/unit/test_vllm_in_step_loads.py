@@ -69,6 +69,22 @@ def test_otherwise_the_hit_loads_asynchronously(why):
     assert sched.is_loading("r")
 
 
+def test_while_a_rank_reports_stalled_copies_hits_load_asynchronously_until_they_end():
+    # A rank that gave an in-step load up at its bound (a stalled copy thread) and still
+    # runs it: a new in-step load there would wait the same bound, stalling the batch.
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
+    make = request_factory()
+    first, second = make("first", 32 * 5 + 7), make("second", 32 * 5 + 7, first_token=500)
+    for rank in (0, 1):
+        report(sched, rank, keys(first, range(4)) + keys(second, range(4)))
+    report(sched, 1, [], copies_stalled=True)
+    assert run_hit(sched, first, ([1, 2, 3, 4, 5, 6],)) == (128, True)
+    assert sched.build_meta(output()).in_step == []
+    report(sched, 1, [])  # its given-up load ended
+    assert run_hit(sched, second, ([7, 8, 9, 10, 11, 12],)) == (128, False)
+    assert sched.build_meta(output()).in_step == ["second"]
+
+
 MIB_PER_S = float(1 << 20)
 
 

@@ -59,12 +59,13 @@ def keys(request: Request, blocks, group: int = 0) -> list[tuple[bytes, int]]:
 
 
 def rank_meta(rank: int, changed=(), new=IN_HOST, *, reset: bool = False,
-              reflected_step: int = -1, read_bytes_per_s: float = 0.0
-              ) -> KVOffloadWorkerMetadata:
-    """One rank's report: `changed` keys now at `new` (and its measured read rate)."""
+              reflected_step: int = -1, read_bytes_per_s: float = 0.0,
+              copies_stalled: bool = False) -> KVOffloadWorkerMetadata:
+    """One rank's report: `changed` keys now at `new` (its measured read rate, whether a
+    given-up in-step load of it still runs)."""
     changes = tuple(KeyChange(k, new) for k in changed)
     return KVOffloadWorkerMetadata({rank: RankReport.of(changes, reset, reflected_step,
-                                                        read_bytes_per_s)})
+                                                        read_bytes_per_s, copies_stalled)})
 
 
 def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST,
