@@ -59,7 +59,7 @@ from kv_offload.types import Transfers
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.0002  # how often a worker queries its GPU jobs' events while any run
-CLOSE_TIMEOUT_S = 60.0  # close() fails GPU jobs still running after this long
+CLOSE_TIMEOUT_S = 60.0  # close() fails copies (GPU or cancelled CPU ones) still running after this
 
 
 @dataclass
