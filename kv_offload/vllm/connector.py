@@ -116,6 +116,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.step_started()
             if getattr(kv_connector_metadata, "wait_for_stores", True):
                 self._worker.wait_for_engine_copies()
+            if getattr(kv_connector_metadata, "wait_for_loads", False):
+                self._worker.wait_for_given_up_loads()
 
         self._contained("handle_preemptions", prepare, self._worker.abandon_stores)
 
@@ -125,6 +127,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         def start() -> None:
             assert isinstance(meta, KVOffloadMetadata), type(meta).__name__
             self._worker.begin_step(meta.step)
+            self._worker.hold_for_copies(meta.held)  # (first: these must come back)
             if meta.reset:
                 self._worker.reset()
             self._worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step,
@@ -135,6 +138,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.fail_loads([*loads, *getattr(meta, "failed_loads", ())],
                                     getattr(meta, "in_step", ()), loads,
                                     getattr(meta, "failed_blocks", ()))
+            # (after the failures: if this raised first, the in-step blocks vLLM is about
+            # to read would go unreported)
+            self._worker.hold_for_copies(getattr(meta, "held", ()))
 
         self._contained("start_load_kv", start, fail_all)
 

@@ -28,6 +28,16 @@ A hit loads in-step only when that is both safe and cheap (else asynchronously, 
   asynchronous path (a synchronous load would lose the state vLLM moves).
 A failed in-step load is still a recompute: vLLM drops what the forward computed from the
 blocks that did not arrive and recomputes them.
+
+A load given up at `copy_timeout_s` may still have a copy running: one a stalled thread was
+already inside when its cancel came (the others never start). It writes the hit's own bytes
+into the request's blocks, which is harmless while the request holds them. So a request that
+finishes while some rank still reports such a copy for it, or before every rank has reported
+on the step of its load, is held (`must_hold`): vLLM keeps its blocks until every rank says
+no copy of it runs there (`finished_recving`), instead of handing them to another request.
+A preempted request's blocks are freed at once (vLLM asks no connector): those blocks are
+fenced instead, and a step that hands one out first waits for the given-up copies
+(`KVOffloadMetadata.wait_for_loads`).
 """
 
 from __future__ import annotations
@@ -54,19 +64,55 @@ class InStepLoads:
             not isinstance(specs[0], MambaSpec) and len(self.block_bytes) == 1
         self._block_size = [spec.block_size for spec in specs]
         self._read_rates: dict[int, float] = {}  # rank -> measured bytes/s (reports)
-        self._stalled: set[int] = set()  # ranks whose given-up in-step loads still run
+        # rank -> requests whose in-step loads it gave up and which still run there
+        self._stalled: dict[int, tuple[str, ...]] = {}
+        self._reported_step: dict[int, int] = {}  # rank -> the last step its report covers
+        # Blocks of preempted requests that a given-up in-step load may still write (vLLM
+        # freed them): block -> (request, load step); handing one out makes the forward wait.
+        self._fence: dict[int, tuple[str, int]] = {}
+        self._fence_step = -1  # the latest load step in `_fence`
 
     def reported_read_rate(self, rank: int, bytes_per_s: float) -> None:
         """A rank's report of its measured storage read throughput (0: none yet)."""
         if bytes_per_s > 0:
             self._read_rates[rank] = bytes_per_s
 
-    def reported_stalled(self, rank: int, stalled: bool) -> None:
-        """A rank's report of whether an in-step load it gave up still runs."""
+    def reported_stalled(self, rank: int, stalled: tuple[str, ...], step: int) -> None:
+        """A rank's report of the requests whose in-step loads it gave up and which still
+        run, as of plan step `step`."""
         if stalled:
-            self._stalled.add(rank)
+            self._stalled[rank] = stalled
         else:
-            self._stalled.discard(rank)
+            self._stalled.pop(rank, None)
+        self._reported_step[rank] = step
+
+    def must_hold(self, request_id: str, load_step: int) -> bool:
+        """Whether vLLM must keep the blocks of a request that finishes now, whose in-step
+        load was planned at `load_step`: a rank still reports a copy of that load running,
+        or some rank has not yet reported on that step. O(ranks)."""
+        if len(self._reported_step) < self.world_size or \
+                min(self._reported_step.values()) < load_step:
+            return True
+        return any(request_id in stalled for stalled in self._stalled.values())
+
+    def preempted(self, request_id: str, load_step: int, block_ids: list[int]) -> None:
+        """vLLM preempted a request whose in-step load (planned at `load_step`, filling
+        `block_ids`) may still copy on some rank, and freed its blocks: fence them."""
+        if self.must_hold(request_id, load_step):
+            self._fence.update(dict.fromkeys(block_ids, (request_id, load_step)))
+            self._fence_step = max(self._fence_step, load_step)
+
+    def reuses_fenced(self, allocated: list[int]) -> bool:
+        """Whether a block vLLM hands out in this step may still be written by a given-up
+        in-step load. O(blocks allocated) while any block is fenced, else O(1)."""
+        fence = self._fence
+        if not fence:
+            return False
+        if not self._stalled and len(self._reported_step) >= self.world_size and \
+                min(self._reported_step.values()) >= self._fence_step:
+            fence.clear()  # every rank reported on those loads, and none still runs
+            return False
+        return any(self.must_hold(*fence[i]) for i in allocated if i in fence)
 
     def fits(self, hit: Any, local_tokens: int, keys: RankKeys,
              hash_of: Callable[[int, int], bytes],

@@ -52,6 +52,15 @@ class KVOffloadMetadata(KVConnectorMetadata):
     """No request runs a forward in this step (vLLM steps without one while requests wait
     for asynchronous loads): a worker with such a load in flight may wait, briefly, for it
     to land instead of returning at once (`OffloadWorker.finished_loads`)."""
+    wait_for_loads: bool = False
+    """Before this step's forward, wait until no in-step load given up on this rank still
+    runs: vLLM hands a block one of them may still write to a request in this step (the
+    blocks of a preempted request are freed at once; `OffloadWorker.wait_for_given_up_loads`)."""
+    held: list[str] = field(default_factory=list)
+    """Requests that finished while an in-step load of theirs may still be copying on some
+    rank (given up at `copy_timeout_s`, or not yet reported): vLLM keeps their blocks until
+    every rank reports each of them in `finished_recving`, which a rank does once no copy of
+    that request's runs on it (`OffloadWorker.hold_for_copies`)."""
 
     def in_step_block_ids(self) -> set[int]:
         """Every engine block this step's in-step loads fill (planned or not): all of them
@@ -74,9 +83,18 @@ class RankReport:
     """The stores and resets of every step up to this one show in the changes."""
     read_bytes_per_s: float = 0.0
     """The rank's measured storage read throughput (`kv_offload.read_rate`; 0: none yet)."""
-    copies_stalled: bool = False
-    """An in-step load of this rank passed `copy_timeout_s` and still runs (a stalled copy
-    thread, a slow read): until it ends, another in-step load would wait for it too."""
+    stalled: tuple[str, ...] = ()
+    """Requests whose in-step load this rank gave up at `copy_timeout_s` and which still
+    runs (a stalled copy thread, a slow read): until it ends, another in-step load would
+    wait for it too, and vLLM must not hand those requests' blocks to anyone else."""
+    step: int = -1
+    """The last plan step this rank started the loads of: its give-ups up to that step are
+    in `stalled`."""
+
+    @property
+    def copies_stalled(self) -> bool:
+        """Whether a given-up in-step load of this rank still runs."""
+        return bool(self.stalled)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.held):
@@ -85,10 +103,11 @@ class RankReport:
 
     @classmethod
     def of(cls, changes: Iterable[KeyChange], reset: bool, reflected_step: int,
-           read_bytes_per_s: float = 0.0, copies_stalled: bool = False) -> RankReport:
+           read_bytes_per_s: float = 0.0, stalled: tuple[str, ...] = (), step: int = -1
+           ) -> RankReport:
         changes = tuple(changes)
         return cls(tuple(change.key for change in changes), bytes(map(held_bits, changes)),
-                   reset, reflected_step, read_bytes_per_s, copies_stalled)
+                   reset, reflected_step, read_bytes_per_s, stalled, step)
 
     @property
     def changes(self) -> tuple[KeyChange, ...]:
@@ -118,6 +137,6 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
                                    earlier.reset,
                                    max(earlier.reflected_step, later.reflected_step),
                                    later.read_bytes_per_s or earlier.read_bytes_per_s,
-                                   later.copies_stalled)
+                                   later.stalled, max(earlier.step, later.step))
             merged[rank] = later
         return KVOffloadWorkerMetadata(merged)

@@ -41,9 +41,9 @@ class SchedulerRecovery:
         in_step = {r: self._loads[r] for r in self._in_step}
         meta = KVOffloadMetadata(loads=in_step, in_step=list(in_step), failed_loads=failed,
                                  failed_blocks=self._failed_blocks, reset=self._reset,
-                                 step=self._step)
+                                 step=self._step, held=self._held)
         self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
-        self._failed_blocks = []
+        self._failed_blocks, self._held = [], []
         self._step += 1
         return meta
 

@@ -51,6 +51,8 @@ class _Request:
     waiting_since: float | None = None
     stores_off: bool = False  # its block table may be wrong (a step was missed): never store
     loading: bool = False
+    in_step_load_step: int | None = None  # the plan step of its in-step load, if any
+    in_step_blocks: list[int] = field(default_factory=list)  # the blocks that load fills
     load_failed: bool = False
     finished: bool = False
     counted: bool = False  # its lookup is in the stats (vLLM re-asks a request it skipped)
@@ -110,6 +112,7 @@ class OffloadScheduler(SchedulerRecovery):
         # forward wait for the stores in flight.
         self._fence = StoreFence(specs)
         self._allocated: list[int] = []  # blocks given to requests since the last step
+        self._held: list[str] = []  # finished requests to hold for their given-up copies
 
     # --- hits ---
 
@@ -176,6 +179,9 @@ class OffloadScheduler(SchedulerRecovery):
             self._requests[request.request_id].loading = True
         else:  # loaded before this step's forward, which runs the request
             self._in_step.append(request.request_id)
+            state = self._requests[request.request_id]
+            state.in_step_load_step = self._step
+            state.in_step_blocks = [i for _, ids in plan.values() for i in ids]
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
@@ -187,6 +193,9 @@ class OffloadScheduler(SchedulerRecovery):
             self._fence.unknown_free()
         for req_id in preempted or ():
             self._fence.freed(req_id, self._lag.reflected)
+            state = self._requests.get(req_id)
+            if state is not None and state.in_step_load_step is not None:
+                self.in_step.preempted(req_id, state.in_step_load_step, state.in_step_blocks)
         # A step without a forward (e.g. the one telling the workers which requests ended)
         # delays nothing by waiting: the stores in flight settle, so its report and stats
         # show them even if the engine then goes idle.
@@ -215,11 +224,13 @@ class OffloadScheduler(SchedulerRecovery):
                                  failed_blocks=self._failed_blocks, stores=stores,
                                  reset=self._reset, step=self._step,
                                  wait_for_stores=wait_for_stores,
-                                 idle=not scheduler_output.total_num_scheduled_tokens)
+                                 idle=not scheduler_output.total_num_scheduled_tokens,
+                                 held=self._held,
+                                 wait_for_loads=self.in_step.reuses_fenced(allocated))
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
         self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
-        self._failed_blocks = []
+        self._failed_blocks, self._held = [], []
         self._step += 1
         return meta
 
@@ -300,7 +311,7 @@ class OffloadScheduler(SchedulerRecovery):
         for rank, report in meta.reports.items():
             self._lag.reported(rank, report.reflected_step)
             self.in_step.reported_read_rate(rank, report.read_bytes_per_s)
-            self.in_step.reported_stalled(rank, report.copies_stalled)
+            self.in_step.reported_stalled(rank, report.stalled, report.step)
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
 
     def source_of(self, request_id: str) -> Location:
@@ -327,13 +338,19 @@ class OffloadScheduler(SchedulerRecovery):
                 del self._requests[req_id]
 
     def request_finished(self, request_id: str) -> bool:
-        """Whether vLLM must keep the request's blocks (a load into them is in flight;
-        they are freed when the load reports back)."""
+        """Whether vLLM must keep the request's blocks (a load into them is in flight, or
+        an in-step load given up may still copy: `InStepLoads.must_hold`; they are freed
+        when every rank reports the request in `finished_recving`)."""
         state = self._requests.get(request_id)
         self._pending_hits.pop(request_id, None)
         self._fence.freed(request_id, self._lag.reflected)
         if state is not None and state.loading:
             state.finished = True
+            return True
+        if state is not None and state.in_step_load_step is not None and \
+                self.in_step.must_hold(request_id, state.in_step_load_step):
+            state.loading = state.finished = True  # (until the ranks report it back)
+            self._held.append(request_id)  # (the workers learn it with the next step)
             return True
         self._requests.pop(request_id, None)
         return False

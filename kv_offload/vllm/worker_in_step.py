@@ -35,10 +35,35 @@ class InStepLoadsOfWorker:
         self.faults.failed("in-step load", f"{len(late)} load(s) not done within "
                            f"{self.copy_timeout_s} s; recomputed")
         for job_id in late:
-            self._block_errors.update(self._jobs.pop(job_id).block_ids)
+            job = self._jobs.pop(job_id)
+            self._block_errors.update(job.block_ids)
             self._loads_in_flight -= 1
             self.store.abandon_load(job_id)
-            self._given_up.add(job_id)  # (reported as stalled copies until its result comes)
+            # (reported as stalled copies until its result comes; see hold_for_copies)
+            self._given_up[job_id] = job.request_id
+
+    def wait_for_given_up_loads(self) -> None:
+        """Before a forward: block until no in-step load given up on this rank still runs
+        (`KVOffloadMetadata.wait_for_loads`: vLLM handed a block one of them may write to
+        another request). Without a bound, unlike every other wait here: going on could put
+        one request's bytes into another's blocks. Each `copy_timeout_s` passed is a fault
+        (counted, logged once per episode)."""
+        with self._lock:
+            while not self._drive_until(lambda: not self._given_up, self.copy_timeout_s):
+                self.faults.failed("given-up load", f"the forward waits for "
+                                   f"{len(self._given_up)} given-up load(s) still copying "
+                                   "into blocks vLLM handed to another request")
+
+    def hold_for_copies(self, request_ids: Collection[str]) -> None:
+        """vLLM keeps the blocks of these finished requests (`KVOffloadMetadata.held`):
+        report each back in `finished_loads` once no given-up copy of it runs on this rank,
+        at once where none does. O(requests x loads given up), both nearly always 0."""
+        if not request_ids:
+            return
+        with self._lock:
+            running = set(self._given_up.values())
+            for request_id in request_ids:
+                (self._held if request_id in running else self._released).add(request_id)
 
     def fail_loads(self, request_ids: Collection[str], in_step: Collection[str] = (),
                    loads: Mapping[str, GroupBlocks] | None = None,

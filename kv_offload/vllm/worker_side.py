@@ -102,7 +102,10 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         self._outcomes: list[Outcome] = []
         self._failed_now: set[str] = set()  # loads that could not even start
         self._block_errors: set[int] = set()  # blocks of in-step loads that did not arrive
-        self._given_up: set[int] = set()  # in-step loads given up whose copies may still run
+        # In-step loads given up whose copies may still run: job id -> its request.
+        self._given_up: dict[int, str] = {}
+        self._held: set[str] = set()  # finished requests vLLM holds until those copies end
+        self._released: set[str] = set()  # held requests to report back (finished_loads)
         # This step's in-step blocks: all reported failed if the errors cannot be taken.
         self.in_step_blocks: set[int] = set()
         self._stats = KVOffloadStats()
@@ -255,7 +258,8 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                 self._drive_until(self._a_load_ended, IDLE_WAIT_S)
             outcomes, self._outcomes = self._outcomes, []
             failed_now, self._failed_now = self._failed_now, set()
-        finished, failed = set(failed_now), set(failed_now)
+            released, self._released = self._released, set()
+        finished, failed = set(failed_now) | released, set(failed_now)
         for outcome in outcomes:
             record_outcome(outcome, self._stats)
             job = outcome.job
@@ -279,7 +283,8 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                 self.faults.failed("report", exc)
             report = RankReport(tuple(self._report_keys), bytes(self._report_held),
                                 self._report_reset, self._reflected_step(),
-                                self.store.read_rate.bytes_per_s, bool(self._given_up))
+                                self.store.read_rate.bytes_per_s,
+                                tuple(set(self._given_up.values())), self._step)
             self._clear_report(reset=False)
         return KVOffloadWorkerMetadata({self.rank: report})
 
@@ -335,7 +340,10 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         """Lock held: hand each job's result over once (an unknown id was delivered)."""
         now = time.monotonic()
         for result in results:
-            self._given_up.discard(result.job_id)  # (nothing of it runs any more)
+            given_up = self._given_up.pop(result.job_id, None)  # (nothing of it runs now)
+            if given_up in self._held and given_up not in self._given_up.values():
+                self._held.discard(given_up)  # vLLM may free its blocks now
+                self._released.add(given_up)
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
                 self._outcomes.append(Outcome(result, job, now - job.started))

@@ -149,6 +149,8 @@ class PlayedModelRunner:
         self.worker.step_started()  # handle_preemptions: before anything of the step
         if meta.wait_for_stores:
             self.worker.wait_for_engine_copies()
+        if meta.wait_for_loads:
+            self.worker.wait_for_given_up_loads()
         self._update_states(scheduler_output)
         # start_load_kv: before the forward when the step has in-step loads, else after it
         if scheduler_output.has_sync_kv_loads:
@@ -170,6 +172,7 @@ class PlayedModelRunner:
 
     def _start_load_kv(self, meta: KVOffloadMetadata) -> None:
         self.worker.begin_step(meta.step)
+        self.worker.hold_for_copies(meta.held)
         if meta.reset:
             self.worker.reset()
         self.worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step)

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from test_cpu_backend_stalled_copies import in_thread, returned  # noqa: E402
 from test_vllm_worker_side import (  # noqa: E402
     NUM_BLOCKS,
     ON_DISK,
@@ -74,6 +75,42 @@ def test_an_in_step_load_past_its_bound_is_recomputed_and_never_written_later(
     workers.remove(worker)
     assert unchanged(engine, (5, 6), recomputed) == [True, True], \
         "a load given up on wrote its blocks after vLLM recomputed them"
+
+
+def test_a_held_request_is_reported_back_only_once_its_given_up_load_ended(
+        workers, tmp_path, monkeypatch):
+    engine = Engine()
+    hashes = [block_hash(i, b"held") for i in range(2)]
+    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
+    worker.begin_step(7)
+    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
+    assert worker.take_block_errors() == {5, 6}
+    first = report(worker)
+    assert (first.stalled, first.step) == (("r",), 7)
+    # vLLM ended "r" and "done" (whose load ended long ago) and keeps their blocks:
+    worker.hold_for_copies(["r", "done"])
+    assert worker.finished_loads() == ({"done"}, set())  # "done" back at once, "r" not
+    assert worker.finished_loads() == (set(), set())
+    flowing.set()  # the disk answers: the given-up load ends
+    back: set[str] = set()
+    poll_until(lambda: back.update(worker.finished_loads()[0]) or back,
+               lambda: "the held request was never reported back")
+    assert back == {"r"} and not report(worker).stalled
+
+
+def test_a_forward_reusing_a_given_up_loads_blocks_waits_until_that_load_ended(
+        workers, tmp_path, monkeypatch):
+    engine = Engine()
+    hashes = [block_hash(i, b"reused") for i in range(2)]
+    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
+    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
+    assert worker.take_block_errors() == {5, 6}
+    # vLLM preempted "r" and hands block 5 to another request in this step:
+    out = in_thread(worker.wait_for_given_up_loads)
+    assert not returned(out, patience_s=4 * BOUND_S), "the forward went on past the bound"
+    flowing.set()  # the disk answers: the given-up load ends
+    assert returned(out), "the wait did not end with the given-up load"
+    assert not report(worker).stalled
 
 
 def test_sleep_gives_up_loads_still_reading_so_nothing_writes_unmapped_memory(

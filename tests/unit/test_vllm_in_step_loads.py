@@ -77,12 +77,74 @@ def test_while_a_rank_reports_stalled_copies_hits_load_asynchronously_until_they
     first, second = make("first", 32 * 5 + 7), make("second", 32 * 5 + 7, first_token=500)
     for rank in (0, 1):
         report(sched, rank, keys(first, range(4)) + keys(second, range(4)))
-    report(sched, 1, [], copies_stalled=True)
+    report(sched, 1, [], stalled=("earlier",))
     assert run_hit(sched, first, ([1, 2, 3, 4, 5, 6],)) == (128, True)
     assert sched.build_meta(output()).in_step == []
     report(sched, 1, [])  # its given-up load ended
     assert run_hit(sched, second, ([7, 8, 9, 10, 11, 12],)) == (128, False)
     assert sched.build_meta(output()).in_step == ["second"]
+
+
+def _in_step_hit_on_two_ranks(sched, req_id: str, first_token: int = 1):
+    """`req_id` hits in both ranks' host memory and loads in-step; the step of its load."""
+    request = request_factory()(req_id, 32 * 5 + 7, first_token=first_token)
+    for rank in (0, 1):
+        report(sched, rank, keys(request, range(4)))
+    assert run_hit(sched, request, ([1, 2, 3, 4, 5, 6],)) == (128, False)
+    meta = sched.build_meta(output())
+    assert meta.in_step == [req_id]
+    return meta.step
+
+
+def test_a_request_ending_while_a_rank_still_copies_its_given_up_load_keeps_its_blocks():
+    # Rank 1 gave the in-step load up at its bound; a copy of it may still run there. Its
+    # blocks must not go to another request until rank 1 says that copy ended.
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
+    step = _in_step_hit_on_two_ranks(sched, "r")
+    report(sched, 0, [], step=step)
+    report(sched, 1, [], step=step, stalled=("r",))
+    assert sched.request_finished("r") is True  # vLLM keeps its blocks
+    assert sched.build_meta(output()).held == ["r"]  # each rank reports it back when free
+    assert sched.build_meta(output()).held == []  # (once)
+    sched.loads_finished({"r"}, set())  # every rank did: vLLM frees the blocks
+    assert not sched.is_loading("r") and "r" not in sched._requests
+
+
+def test_a_request_ending_before_every_rank_reported_on_its_in_step_load_keeps_its_blocks():
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
+    step = _in_step_hit_on_two_ranks(sched, "r")
+    report(sched, 0, [], step=step)
+    report(sched, 1, [], step=step - 1)  # (e.g. aborted while that step still runs)
+    assert sched.request_finished("r") is True
+    assert sched.build_meta(output()).held == ["r"]
+
+
+def test_a_request_whose_in_step_load_every_rank_finished_frees_its_blocks_at_once():
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
+    step = _in_step_hit_on_two_ranks(sched, "r")
+    for rank in (0, 1):
+        report(sched, rank, [], step=step, stalled=("another",) if rank else ())
+    assert sched.request_finished("r") is False
+    assert sched.build_meta(output()).held == []
+
+
+def test_a_step_handing_out_a_block_a_preempted_requests_given_up_load_may_write_waits():
+    # vLLM frees a preempted request's blocks at once (no connector is asked), so those a
+    # given-up in-step load may still write are fenced: the forward that reuses one waits.
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
+    step = _in_step_hit_on_two_ranks(sched, "r")  # (fills blocks 1-4)
+    report(sched, 0, [], step=step)
+    report(sched, 1, [], step=step, stalled=("r",))
+    other = request_factory()("other", 100, first_token=900)
+    sched.num_new_matched_tokens(other, 0)
+    sched.after_alloc(other, ([20, 21],), 0)  # (untouched blocks)
+    assert sched.build_meta(output(preempted=["r"])).wait_for_loads is False
+    sched.after_alloc(other, ([3, 22],), 0)  # block 3: vLLM reuses one of r's
+    assert sched.build_meta(output()).wait_for_loads is True
+    report(sched, 1, [], step=step + 2)  # rank 1's given-up load ended
+    sched.after_alloc(other, ([2],), 0)
+    assert sched.build_meta(output()).wait_for_loads is False
+    assert not sched.in_step._fence  # (emptied: later steps check nothing)
 
 
 MIB_PER_S = float(1 << 20)

@@ -271,6 +271,38 @@ def test_when_the_store_a_hit_counted_on_fails_the_request_is_recomputed(engines
     assert len(b.output_token_ids) == MAX_TOKENS
 
 
+def test_a_request_ending_while_its_given_up_in_step_load_may_still_copy_keeps_its_blocks(
+        engines, monkeypatch):
+    """B's in-step host load stalls (its copy thread is held at its start, as a thread the
+    OS does not run): the worker gives it up at `copy_timeout_s` and vLLM recomputes B,
+    which then ends while that copy could still write B's blocks. vLLM keeps those blocks
+    (B stays in its requests, the blocks referenced) until the copy ended and the worker
+    reported B in `finished_recving`; only then are they free for another request."""
+    from test_cpu_backend_stalled_copies import Stall
+
+    engine = engines({**IN_STEP, "copy_timeout_s": 0.3})
+    engine.run_to_completion("A")
+    forget_in_engine(engine)
+    stall = Stall(monkeypatch)  # (the next copy share to start: B's load)
+    b = engine.add("B")
+    steps = engine.step_until(lambda s: b.is_finished(), "B finished")
+    loaded = next(s for s in steps if s.meta.in_step == ["B"])
+    assert stall.held.is_set()
+    assert loaded.output.num_scheduled_tokens["B"] == PROMPT_LEN - HIT_TOKENS
+    assert any(s.output.num_scheduled_tokens.get("B") == PROMPT_LEN for s in steps)  # redone
+    assert len(b.output_token_ids) == MAX_TOKENS
+    b_blocks = scheduled_new(loaded, "B").block_ids[0]
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    for _ in range(3):  # the copy is still held: B's blocks stay B's
+        step = engine.step()
+        assert "B" in engine.scheduler.requests and "B" not in step.finished_recving
+        assert all(pool.blocks[i].ref_cnt > 0 for i in b_blocks)
+    stall.release()
+    steps = engine.step_until(lambda s: "B" in s.finished_recving, "B reported back")
+    assert "B" not in engine.scheduler.requests
+    assert all(pool.blocks[i].ref_cnt == 0 for i in b_blocks)  # free for anyone now
+
+
 OTHER_PROMPT = [4 + (i * 53 + 11) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]
 
 

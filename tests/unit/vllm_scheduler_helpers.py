@@ -60,12 +60,12 @@ def keys(request: Request, blocks, group: int = 0) -> list[tuple[bytes, int]]:
 
 def rank_meta(rank: int, changed=(), new=IN_HOST, *, reset: bool = False,
               reflected_step: int = -1, read_bytes_per_s: float = 0.0,
-              copies_stalled: bool = False) -> KVOffloadWorkerMetadata:
-    """One rank's report: `changed` keys now at `new` (its measured read rate, whether a
-    given-up in-step load of it still runs)."""
+              stalled: tuple[str, ...] = (), step: int = -1) -> KVOffloadWorkerMetadata:
+    """One rank's report: `changed` keys now at `new` (its measured read rate, the requests
+    whose given-up in-step loads still run on it, the last plan step it covers)."""
     changes = tuple(KeyChange(k, new) for k in changed)
     return KVOffloadWorkerMetadata({rank: RankReport.of(changes, reset, reflected_step,
-                                                        read_bytes_per_s, copies_stalled)})
+                                                        read_bytes_per_s, stalled, step)})
 
 
 def report(sched: OffloadScheduler, rank: int, changed=(), old=ABSENT, new=IN_HOST,
