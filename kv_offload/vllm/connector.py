@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from kv_offload.backends import storage_choice
 from kv_offload.config import parse_config
@@ -45,6 +46,12 @@ from kv_offload.vllm.spec_translation import translate_groups
 from kv_offload.vllm.worker_side import OffloadWorker
 
 logger = logging.getLogger(__name__)
+# A request vLLM ended because of its own output, after it handled the step's failed loads
+# (`update_from_output`): one that ended so in the step of its in-step load had that load
+# succeed on every rank (else vLLM would have rewound it). (By name: vLLM adds statuses.)
+_ENDED_BY_OUTPUT = {getattr(RequestStatus, name) for name in (
+    "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+    if hasattr(RequestStatus, name)}
 
 
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -288,6 +295,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                KVOffloadMetadata())
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if connector_output.invalid_block_ids:  # (in-step loads that failed on some rank)
+            self._contained("update_connector_output", lambda: self._scheduler.blocks_failed(
+                connector_output.invalid_block_ids), None)
         self._contained("update_connector_output", lambda: self._scheduler.apply_worker_meta(
             connector_output.kv_connector_worker_meta), None)
         self._contained("update_connector_output", lambda: self._scheduler.loads_finished(
@@ -315,8 +325,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def _finished(self, request: Any) -> tuple[bool, None]:
         # If our bookkeeping fails, keep the blocks only while a load may write them.
         return self._contained(
-            "request_finished", lambda: (self._scheduler.request_finished(request.request_id),
-                                         None),
+            "request_finished", lambda: (self._scheduler.request_finished(
+                request.request_id, ended_by_output=request.status in _ENDED_BY_OUTPUT), None),
             lambda: (self._scheduler.fence_next_step() or
                      self._scheduler.is_loading(request.request_id), None), (False, None))
 

@@ -32,9 +32,12 @@ blocks that did not arrive and recomputes them.
 A load given up at `copy_timeout_s` may still have a copy running: one a stalled thread was
 already inside when its cancel came (the others never start). It writes the hit's own bytes
 into the request's blocks, which is harmless while the request holds them. So a request that
-finishes while some rank still reports such a copy for it, or before every rank has reported
-on the step of its load, is held (`must_hold`): vLLM keeps its blocks until every rank says
-no copy of it runs there (`finished_recving`), instead of handing them to another request.
+finishes while some rank still reports such a copy for it is held (`must_hold`): vLLM keeps
+its blocks until every rank says no copy of it runs there (`finished_recving`), instead of
+handing them to another request. So is one that finishes before every rank has reported on
+the step of its load, unless it cannot have failed: vLLM ended it for its own output and no
+block of that load was reported failed (a failed in-step load rewinds its request, so it
+cannot end in that step; the usual short request that ends in its load step is not held).
 A preempted request's blocks are freed at once (vLLM asks no connector): those blocks are
 fenced instead, and a step that hands one out first waits for the given-up copies
 (`KVOffloadMetadata.wait_for_loads`).
@@ -86,14 +89,22 @@ class InStepLoads:
             self._stalled.pop(rank, None)
         self._reported_step[rank] = step
 
-    def must_hold(self, request_id: str, load_step: int) -> bool:
+    @property
+    def reported_through(self) -> int:
+        """The last plan step every rank has reported on (-1 until all have). O(ranks)."""
+        if len(self._reported_step) < self.world_size:
+            return -1
+        return min(self._reported_step.values())
+
+    def must_hold(self, request_id: str, load_step: int, may_have_failed: bool = True
+                  ) -> bool:
         """Whether vLLM must keep the blocks of a request that finishes now, whose in-step
         load was planned at `load_step`: a rank still reports a copy of that load running,
-        or some rank has not yet reported on that step. O(ranks)."""
-        if len(self._reported_step) < self.world_size or \
-                min(self._reported_step.values()) < load_step:
+        or some rank has not yet reported on that step and the load `may_have_failed`
+        there. O(ranks)."""
+        if any(request_id in stalled for stalled in self._stalled.values()):
             return True
-        return any(request_id in stalled for stalled in self._stalled.values())
+        return may_have_failed and self.reported_through < load_step
 
     def preempted(self, request_id: str, load_step: int, block_ids: list[int]) -> None:
         """vLLM preempted a request whose in-step load (planned at `load_step`, filling
@@ -108,8 +119,7 @@ class InStepLoads:
         fence = self._fence
         if not fence:
             return False
-        if not self._stalled and len(self._reported_step) >= self.world_size and \
-                min(self._reported_step.values()) >= self._fence_step:
+        if not self._stalled and self.reported_through >= self._fence_step:
             fence.clear()  # every rank reported on those loads, and none still runs
             return False
         return any(self.must_hold(*fence[i]) for i in allocated if i in fence)

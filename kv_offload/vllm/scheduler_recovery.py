@@ -2,8 +2,9 @@
 failed (a mixin of `OffloadScheduler`, its own module only to keep each file one concern).
 
 Each only records: requests whose loads are reported failed (vLLM recomputes them), blocks
-of in-step loads that cannot arrive (reported by the workers as load errors), a fence on
-the next forward when freed blocks are not known. None of them raises into vLLM.
+of in-step loads that cannot arrive (reported by the workers as load errors), in-step loads
+some rank reported failed, a fence on the next forward when freed blocks are not known.
+None of them raises into vLLM.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class SchedulerRecovery:
         self._failed_blocks, self._held = [], []
         self._step += 1
         return meta
+
+    def blocks_failed(self, block_ids: set[int]) -> None:
+        """vLLM was told these blocks failed to load (on some rank): mark the in-step loads
+        among them (`InStepLoads.must_hold`). O(in-step loads not yet reported on)."""
+        for request_id in self._in_step_pending:
+            state = self._requests.get(request_id)
+            if state is not None and not block_ids.isdisjoint(state.in_step_blocks):
+                state.in_step_failed = True
 
     def is_loading(self, request_id: str) -> bool:  # (a load into its blocks may run)
         state = self._requests.get(request_id)

@@ -53,6 +53,7 @@ class _Request:
     loading: bool = False
     in_step_load_step: int | None = None  # the plan step of its in-step load, if any
     in_step_blocks: list[int] = field(default_factory=list)  # the blocks that load fills
+    in_step_failed: bool = False  # some rank reported a block of that load failed
     load_failed: bool = False
     finished: bool = False
     counted: bool = False  # its lookup is in the stats (vLLM re-asks a request it skipped)
@@ -113,6 +114,8 @@ class OffloadScheduler(SchedulerRecovery):
         self._fence = StoreFence(specs)
         self._allocated: list[int] = []  # blocks given to requests since the last step
         self._held: list[str] = []  # finished requests to hold for their given-up copies
+        # In-step loads not yet reported on by every rank: request -> plan step (in order).
+        self._in_step_pending: dict[str, int] = {}
 
     # --- hits ---
 
@@ -182,6 +185,7 @@ class OffloadScheduler(SchedulerRecovery):
             state = self._requests[request.request_id]
             state.in_step_load_step = self._step
             state.in_step_blocks = [i for _, ids in plan.values() for i in ids]
+            self._in_step_pending[request.request_id] = self._step
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's loads (planned since the last call) and stores."""
@@ -312,7 +316,11 @@ class OffloadScheduler(SchedulerRecovery):
             self._lag.reported(rank, report.reflected_step)
             self.in_step.reported_read_rate(rank, report.read_bytes_per_s)
             self.in_step.reported_stalled(rank, report.stalled, report.step)
+        pending, reported = self._in_step_pending, self.in_step.reported_through
+        while pending and next(iter(pending.values())) <= reported:  # O(reported on)
+            del pending[next(iter(pending))]
         self.events.apply_reports(self._keys, meta.reports)  # (and KV events from them)
+
 
     def source_of(self, request_id: str) -> Location:
         """HOST when every block of the request's planned load is in every rank's host
@@ -337,10 +345,11 @@ class OffloadScheduler(SchedulerRecovery):
             if state.finished:
                 del self._requests[req_id]
 
-    def request_finished(self, request_id: str) -> bool:
+    def request_finished(self, request_id: str, ended_by_output: bool = False) -> bool:
         """Whether vLLM must keep the request's blocks (a load into them is in flight, or
         an in-step load given up may still copy: `InStepLoads.must_hold`; they are freed
-        when every rank reports the request in `finished_recving`)."""
+        when every rank reports the request in `finished_recving`). `ended_by_output`:
+        vLLM ended it for its own output (not an abort)."""
         state = self._requests.get(request_id)
         self._pending_hits.pop(request_id, None)
         self._fence.freed(request_id, self._lag.reflected)
@@ -348,7 +357,8 @@ class OffloadScheduler(SchedulerRecovery):
             state.finished = True
             return True
         if state is not None and state.in_step_load_step is not None and \
-                self.in_step.must_hold(request_id, state.in_step_load_step):
+                self.in_step.must_hold(request_id, state.in_step_load_step,
+                                       not ended_by_output or state.in_step_failed):
             state.loading = state.finished = True  # (until the ranks report it back)
             self._held.append(request_id)  # (the workers learn it with the next step)
             return True

@@ -119,6 +119,20 @@ def test_a_request_ending_before_every_rank_reported_on_its_in_step_load_keeps_i
     assert sched.build_meta(output()).held == ["r"]
 
 
+def test_a_request_vllm_ended_for_its_output_before_the_reports_is_held_only_if_it_failed():
+    # vLLM rewinds a request whose in-step load failed on any rank before it looks at its
+    # output: ending for its own output in the load's step means that load succeeded.
+    sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
+    step = _in_step_hit_on_two_ranks(sched, "r")
+    assert sched.request_finished("r", ended_by_output=True) is False
+    step = _in_step_hit_on_two_ranks(sched, "s", first_token=600)  # (blocks 1-4 again)
+    sched.blocks_failed({3, 40})  # a rank failed a block of it: rewound, then ran again
+    assert sched.request_finished("s", ended_by_output=True) is True
+    for rank in (0, 1):
+        report(sched, rank, [], step=step)  # every rank reported on that step
+    assert not sched._in_step_pending  # (nothing left to look through for failures)
+
+
 def test_a_request_whose_in_step_load_every_rank_finished_frees_its_blocks_at_once():
     sched = scheduler(vkv.FullAttentionSpec(**ATTN), budget=4 * BLOCK_BYTES, world_size=2)
     step = _in_step_hit_on_two_ranks(sched, "r")

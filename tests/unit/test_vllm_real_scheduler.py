@@ -303,6 +303,22 @@ def test_a_request_ending_while_its_given_up_in_step_load_may_still_copy_keeps_i
     assert all(pool.blocks[i].ref_cnt == 0 for i in b_blocks)  # free for anyone now
 
 
+def test_a_request_that_ends_in_the_step_of_its_in_step_load_frees_its_blocks_at_once(
+        in_step_engine):
+    """The step that loads B's hit runs B's prefill, and B (one token) ends in it, before
+    any report of that step came back: nothing of that load can still copy (it succeeded:
+    vLLM would have rewound B otherwise), so vLLM frees B's blocks at once, and an offline
+    benchmark's `reset_prefix_cache()` right after it works."""
+    engine = in_step_engine
+    engine.run_to_completion("A")
+    forget_in_engine(engine)
+    b = engine.add("B", max_tokens=1)
+    ran = engine.step()
+    assert ran.meta.in_step == ["B"] and b.is_finished()
+    assert "B" not in engine.scheduler.requests  # freed with its end
+    assert engine.scheduler.reset_prefix_cache()
+
+
 OTHER_PROMPT = [4 + (i * 53 + 11) % (VOCAB_SIZE - 4) for i in range(PROMPT_LEN)]
 
 
