@@ -12,6 +12,8 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
   index_copy_i64_2 /  torch's `index_copy_` over the rows viewed as 8- or 16-byte elements
   index_copy_c128_2   (int64, complex128: 256 or 128 elements per row instead of 2048), on 2
                       threads of our own, each single-threaded torch
+  index_copy_c128_t / torch's `index_copy_` and `index_put_` over the complex128 view, on
+  index_put_c128_t    torch's own intra-op threads
   copier              our `CpuCopier` moving the same plan (its plan built beforehand)
   job                 a whole load job through `CpuBackend` (planning included)
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
@@ -198,6 +200,7 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             assert result.success
 
         ids_t = torch.from_numpy(ids)
+        wide_engine, wide_pool = engine.view(torch.complex128), pool.view(torch.complex128)
         plain = best_of(lambda: engine.view(-1)[:n * PAGE].copy_(pool.view(-1)), repeats)
         figures = {
             "numpy_1": best_of(lambda: numpy_part(0, n), repeats),
@@ -205,6 +208,10 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             "torch_index_copy": best_of(lambda: engine.index_copy_(0, ids_t, pool), repeats),
             "index_copy_i64_2": best_of(on_threads(wide_part(torch.int64), 2, n), repeats),
             "index_copy_c128_2": best_of(on_threads(wide_part(torch.complex128), 2, n), repeats),
+            "index_copy_c128_t": best_of(lambda: wide_engine.index_copy_(0, ids_t, wide_pool),
+                                         repeats),
+            "index_put_c128_t": best_of(lambda: wide_engine.index_put_((ids_t,), wide_pool),
+                                        repeats),
             "copier": best_of(lambda: copier.copy(plan), repeats),
             "job": best_of(job, repeats),
         }

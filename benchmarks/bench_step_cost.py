@@ -161,7 +161,8 @@ def run_steps(args) -> dict:
                 break
         if shared is not None:
             shared.stop_writer()
-            delay = shared.measure_delay(args.delay_keys)
+            if args.delay_keys > 0:  # (0: no probe; its writer would write until stopped)
+                delay = shared.measure_delay(args.delay_keys)
     finally:
         engine.gc.close()
         worker.shutdown()
@@ -280,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--tier valkey/s3: run the server and the other engine's writer "
                         "at nice 19 (on a fleet they are other machines; here they share the "
                         "engine's cores)")
-    parser.add_argument("--delay-keys", type=int, default=200)
+    parser.add_argument("--delay-keys", type=int, default=200,
+                        help="--tier valkey/s3: keys another engine writes after the steps, "
+                        "each timed until a lookup finds it (0: skip that probe)")
     parser.add_argument("--report-cap", type=int, help="key changes per worker report "
                         "(sets worker_side.REPORT_MAX_KEYS for this run; default: the tree's)")
     parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",

@@ -257,8 +257,9 @@ def print_shared(steps: dict) -> None:
           f"{shared['writer_rate']:.0f} keys/s during the steady steps (--writer-rate"
           f"{'; server and writers at nice 19' if shared.get('helpers_niced') else ''}); tier "
           f"counts { {k: v for k, v in counts.items() if v} }")
-    delay = {k: v for k, v in shared["delay"].items() if k != "delays_s"}
-    print(f"  delay until another engine's write is found (--delay-keys): {delay}")
+    delay = {k: v for k, v in (shared["delay"] or {}).items() if k != "delays_s"}
+    print(f"  delay until another engine's write is found (--delay-keys): "
+          f"{delay or 'not measured (--delay-keys 0)'}")
 
 
 def block_of(key: bytes, block_bytes: int) -> torch.Tensor:
@@ -307,7 +308,8 @@ def _writer(kind: str, where: str, block_bytes: int, rate: float, count: int,
     rng = random.Random(os.getpid())
     out = open(log, "a") if log else None  # noqa: SIM115 (closed below)
     n, start = 0, time.monotonic()
-    while not stop.is_set() and (count == 0 or n < count):
+    parent = os.getppid()  # (a bench killed without cleanup: this writer ends with it)
+    while not stop.is_set() and (count == 0 or n < count) and os.getppid() == parent:
         # Shaped like the engine's storage keys (a common header, then the block hash): an
         # S3 crawl finds a name when it passes it, so where new names sort matters.
         key = storage_key((rng.randbytes(32), 0))

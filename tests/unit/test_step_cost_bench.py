@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step_cost  # noqa: E402
+from step_cost_shared import print_shared  # noqa: E402
 from step_cost_tier import SyntheticTier  # noqa: E402
 
 
@@ -75,6 +76,20 @@ def test_a_short_run_over_a_real_valkey_server_finds_another_engines_writes():
     assert steps["tier"]["read_ok"] > 0 and steps["tier"]["write_ok"] > 0  # real I/O ran
     delay = steps["shared"]["delay"]
     assert delay["keys"] == 5 and delay["not_found"] == 0 and delay["max_ms"] < 30_000
+
+
+@pytest.mark.skipif(__import__("shutil").which("redis-server") is None,
+                    reason="no redis-server on PATH (apt-get install -y redis-server)")
+def test_delay_keys_zero_skips_the_delay_probe():
+    # (its writer, told to write 0 keys, would write until stopped: the run never ended)
+    args = argparse.Namespace(
+        seed=0, model="full", keys=1000, engine_blocks=8000, host_mib=16, requests=8,
+        batched_tokens=1024, forward_ms=1.0, warmup_steps=20, steady_steps=5,
+        gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0, delay_keys=0,
+        helpers_niced=False)
+    steps = bench_step_cost.run_steps(args)
+    assert steps["shared"]["delay"] is None
+    print_shared(steps)  # (says it was not measured)
 
 
 def test_helpers_niced_puts_every_thread_of_the_server_at_nice_19():
