@@ -64,12 +64,18 @@ def test_a_short_run_streams_the_inventory_stores_loads_and_plans_every_prefill_
 
 @pytest.mark.skipif(__import__("shutil").which("redis-server") is None,
                     reason="no redis-server on PATH (apt-get install -y redis-server)")
+def short_valkey_run(**changed) -> argparse.Namespace:
+    """The arguments of a short `--tier valkey` run, with `changed` ones."""
+    return argparse.Namespace(**{
+        **dict(seed=0, model="full", keys=3000, engine_blocks=8000, host_mib=16, requests=24,
+               batched_tokens=1024, forward_ms=1.0, warmup_steps=60, steady_steps=10,
+               gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0,
+               delay_keys=5, helpers_niced=True),
+        **changed})
+
+
 def test_a_short_run_over_a_real_valkey_server_finds_another_engines_writes():
-    args = argparse.Namespace(
-        seed=0, model="full", keys=3000, engine_blocks=8000, host_mib=16, requests=24,
-        batched_tokens=1024, forward_ms=1.0, warmup_steps=60, steady_steps=10,
-        gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0, delay_keys=5,
-        helpers_niced=True)
+    args = short_valkey_run()
     steps = bench_step_cost.run_steps(args)
     assert steps["shared"]["helpers_niced"]
     assert steps["first_steps"]["report_keys"]["sum"] >= args.keys  # the server's keys
@@ -82,11 +88,8 @@ def test_a_short_run_over_a_real_valkey_server_finds_another_engines_writes():
                     reason="no redis-server on PATH (apt-get install -y redis-server)")
 def test_delay_keys_zero_skips_the_delay_probe():
     # (its writer, told to write 0 keys, would write until stopped: the run never ended)
-    args = argparse.Namespace(
-        seed=0, model="full", keys=1000, engine_blocks=8000, host_mib=16, requests=8,
-        batched_tokens=1024, forward_ms=1.0, warmup_steps=20, steady_steps=5,
-        gc_freeze=False, report_cap=None, tier="valkey", writer_rate=50.0, delay_keys=0,
-        helpers_niced=False)
+    args = short_valkey_run(keys=1000, requests=8, warmup_steps=20, steady_steps=5,
+                            delay_keys=0, helpers_niced=False)
     steps = bench_step_cost.run_steps(args)
     assert steps["shared"]["delay"] is None
     print_shared(steps)  # (says it was not measured)

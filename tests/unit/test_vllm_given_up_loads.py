@@ -52,6 +52,17 @@ def worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes):
     return worker, flowing
 
 
+def given_up_in_step_load(engine, tmp_path, workers, monkeypatch, tag: bytes, step: int = 0):
+    """A worker whose in-step load of "r" into blocks 5 and 6 waits for the slow disk and
+    is given up at the bound (its blocks reported failed); the disk's answers held back."""
+    hashes = [block_hash(i, tag) for i in range(2)]
+    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
+    worker.begin_step(step)
+    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
+    assert worker.take_block_errors() == {5, 6}, "the late blocks were not reported"
+    return worker, flowing
+
+
 def unchanged(engine, blocks, before) -> list[bool]:
     return [all(torch.equal(x, y) for x, y in zip(engine.block_bytes(0, b), r))
             for b, r in zip(blocks, before)]
@@ -60,10 +71,7 @@ def unchanged(engine, blocks, before) -> list[bool]:
 def test_an_in_step_load_past_its_bound_is_recomputed_and_never_written_later(
         workers, tmp_path, monkeypatch):
     engine = Engine()
-    hashes = [block_hash(i, b"late") for i in range(2)]
-    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
-    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
-    assert worker.take_block_errors() == {5, 6}, "the late blocks were not reported"
+    worker, flowing = given_up_in_step_load(engine, tmp_path, workers, monkeypatch, b"late")
     # Until that load ends, the scheduler is told: no new in-step load waits on it.
     assert report(worker).copies_stalled
     engine.zero(0, [5, 6])  # vLLM's recompute of those blocks (stand-in bytes)
@@ -79,12 +87,8 @@ def test_an_in_step_load_past_its_bound_is_recomputed_and_never_written_later(
 
 def test_a_held_request_is_reported_back_only_once_its_given_up_load_ended(
         workers, tmp_path, monkeypatch):
-    engine = Engine()
-    hashes = [block_hash(i, b"held") for i in range(2)]
-    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
-    worker.begin_step(7)
-    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
-    assert worker.take_block_errors() == {5, 6}
+    worker, flowing = given_up_in_step_load(Engine(), tmp_path, workers, monkeypatch, b"held",
+                                            step=7)
     first = report(worker)
     assert (first.stalled, first.step) == (("r",), 7)
     # vLLM ended "r" and "done" (whose load ended long ago) and keeps their blocks:
@@ -100,11 +104,8 @@ def test_a_held_request_is_reported_back_only_once_its_given_up_load_ended(
 
 def test_a_forward_reusing_a_given_up_loads_blocks_waits_until_that_load_ended(
         workers, tmp_path, monkeypatch):
-    engine = Engine()
-    hashes = [block_hash(i, b"reused") for i in range(2)]
-    worker, flowing = worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes)
-    worker.start_loads({"r": {0: (hashes, [5, 6])}}, in_step={"r"})  # (back at the bound)
-    assert worker.take_block_errors() == {5, 6}
+    worker, flowing = given_up_in_step_load(Engine(), tmp_path, workers, monkeypatch,
+                                            b"reused")
     # vLLM preempted "r" and hands block 5 to another request in this step:
     out = in_thread(worker.wait_for_given_up_loads)
     assert not returned(out, patience_s=4 * BOUND_S), "the forward went on past the bound"
