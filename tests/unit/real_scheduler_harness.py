@@ -1,6 +1,11 @@
 """The harness of test_vllm_real_scheduler.py: vLLM's real Scheduler over a tiny local Llama,
-and a played model runner routing each step's calls to a real `OffloadWorker` in vLLM's order
-(in-step loads before the forward, asynchronous ones after it). See that test's docstring."""
+and a played model runner that makes each step's calls on a real worker-role
+`KVOffloadConnector` (built by its own constructor, over a real `OffloadWorker`) in the order
+vLLM's runner makes them (`gpu_model_runner.execute_model` and
+`KVConnectorModelRunnerMixin._get_kv_connector_output`: `handle_preemptions` first, in-step
+loads before the forward and asynchronous ones after it, `wait_for_layer_load` /
+`save_kv_layer` around each layer as `maybe_transfer_kv_layer` does). See that test's
+docstring."""
 
 # ruff: noqa: E402  (vLLM is imported only once importorskip found it)
 
@@ -15,6 +20,9 @@ import vllm
 from packaging.version import Version
 from vllm import SamplingParams
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config.vllm import set_current_vllm_config
+from vllm.distributed import parallel_state
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.attention.backends import utils as attention_utils
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -27,12 +35,12 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kv_offload.config import parse_config
+from kv_offload.backends.local_process import free_port
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.testing.tiny_vocab import VOCAB_SIZE
+from kv_offload.vllm.connector import KVOffloadConnector
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.spec_translation import translate_groups
-from kv_offload.vllm.worker_side import OffloadWorker
 
 # The only switch between vLLM 0.32 and 0.33 (the Scheduler's constructor, Request, the
 # SchedulerOutput fields read here and ModelRunnerOutput are the same in both).
@@ -130,52 +138,61 @@ class Step:
     states: dict[str, tuple[RequestStatus, int]]
 
 
-class PlayedModelRunner:
-    """vLLM's model runner and worker-role connector, minus the model: the real
-    `OffloadWorker` behind the calls `KVOffloadConnector` makes for vLLM's runner."""
+def one_process_parallel_groups(vllm_config: VllmConfig) -> None:
+    """vLLM's parallel groups for a world of one process (gloo), as a CPU worker sets them
+    up before it builds its connector (the connector asks them for its rank). Once per
+    process: vLLM's groups are process-wide."""
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(vllm_config):
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        parallel_state.ensure_model_parallel_initialized(1, 1)
 
-    def __init__(self, kv_cache_config: KVCacheConfig, extra: dict) -> None:
+
+class PlayedModelRunner:
+    """vLLM's model runner, minus the model, over a real worker-role `KVOffloadConnector`:
+    every connector call vLLM's runner makes in a step, in its order (see the module
+    docstring). `worker` is the connector's own `OffloadWorker`."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        one_process_parallel_groups(vllm_config)
+        self.connector = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER,
+                                            kv_cache_config)
+        self.worker = self.connector._worker
         groups, num_blocks = translate_groups(kv_cache_config), kv_cache_config.num_blocks
         self.buffer, self.caches = allocate_kv_caches(
             groups, num_blocks, layout=kv_cache_config.kv_cache_layout)
-        self.worker = OffloadWorker(parse_config(extra), rank=0,
-                                    fingerprint_extra="test_vllm_real_scheduler")
-        self.worker.register(self.caches, groups, num_blocks)
+        self.connector.register_kv_caches(self.caches)
         self.requests: dict[str, _RunnerRequest] = {}
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        meta = scheduler_output.kv_connector_metadata
+        connector, meta = self.connector, scheduler_output.kv_connector_metadata
         assert isinstance(meta, KVOffloadMetadata), type(meta).__name__
-        self.worker.step_started()  # handle_preemptions: before anything of the step
-        if meta.wait_for_stores:
-            self.worker.wait_for_engine_copies()
-        if meta.wait_for_loads:
-            self.worker.wait_for_given_up_loads()
+        connector.handle_preemptions(meta)  # before anything of the step
         self._update_states(scheduler_output)
+        connector.bind_connector_metadata(meta)
         # start_load_kv: before the forward when the step has in-step loads, else after it
         if scheduler_output.has_sync_kv_loads:
-            self._start_load_kv(meta)
+            connector.start_load_kv(None)
         sampled = self._forward(scheduler_output)
         if not scheduler_output.has_sync_kv_loads:
-            self._start_load_kv(meta)
-        self.worker.start_stores(meta.stores)  # wait_for_save
-        finished, failed = self.worker.finished_loads()  # get_transfer_results
-        kv_output = KVConnectorOutput(finished_recving=finished or None, failed_recving=failed,
-                                      invalid_block_ids=self.worker.take_block_errors(),
-                                      kv_connector_worker_meta=self.worker.report())
+            connector.start_load_kv(None)
+        connector.wait_for_save()
+        results = connector.get_transfer_results(scheduler_output.finished_req_ids)
+        kv_output = KVConnectorOutput(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=connector.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=connector.build_connector_worker_meta())
+        connector.clear_connector_metadata()
         if not scheduler_output.total_num_scheduled_tokens:  # (kv_connector_no_forward)
             return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         req_ids = list(sampled)
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids], kv_connector_output=kv_output)
-
-    def _start_load_kv(self, meta: KVOffloadMetadata) -> None:
-        self.worker.begin_step(meta.step)
-        self.worker.hold_for_copies(meta.held)
-        if meta.reset:
-            self.worker.reset()
-        self.worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """The runner's token ids and block tables (vLLM sends only what changed)."""
@@ -196,23 +213,47 @@ class PlayedModelRunner:
                 cache[block_id].zero_()
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        """Write each scheduled token's slot; sample a fixed word where the tokens end."""
-        sampled = {}
+        """Write each scheduled token's slot, layer by layer between the connector's layer
+        hooks; sample a fixed word where the tokens end."""
+        if not scheduler_output.total_num_scheduled_tokens:
+            return {}
+        slots = []  # (blocks, offsets, tokens, positions) of each scheduled request
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start, end = state.num_computed, state.num_computed + num_tokens
             positions = torch.arange(start, end)
-            tokens = torch.tensor(state.token_ids[start:end])
             blocks = torch.tensor([state.block_ids[p // BLOCK] for p in range(start, end)])
-            for layer, cache in enumerate(self.caches.values()):
+            slots.append((blocks, positions % BLOCK,
+                          torch.tensor(state.token_ids[start:end]), positions))
+        for layer, (name, cache) in enumerate(self.caches.items()):
+            self.connector.wait_for_layer_load(name)  # (maybe_transfer_kv_layer, on entry)
+            for blocks, offsets, tokens, positions in slots:
                 # [B, H, N, C]: each token's slot is (its block, every head, its offset)
-                cache[blocks, :, positions % BLOCK] = \
-                    _slot_bytes(layer, tokens, positions).permute(1, 0, 2)
+                cache[blocks, :, offsets] = _slot_bytes(layer, tokens, positions).permute(1, 0, 2)
+            self.connector.save_kv_layer(name, cache, None)  # (and on exit)
+        sampled = {}
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests[req_id]
             sampled[req_id] = []
-            if end >= len(state.token_ids):  # only max_tokens ends a request here
+            if state.num_computed + num_tokens >= len(state.token_ids):  # only max_tokens
                 state.token_ids.append(4 + (len(state.token_ids) * 17) % (VOCAB_SIZE - 4))
                 sampled[req_id] = state.token_ids[-1:]
         return sampled
+
+    def slots_written(self, output: SchedulerOutput, block_id: int
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(what the block holds, what the forward of `output` wrote there) for each slot of
+        `block_id` that forward wrote, every layer; call it before the next step."""
+        pairs = []
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            for p in range(state.num_computed, state.num_computed + num_tokens):
+                if state.block_ids[p // BLOCK] != block_id:
+                    continue
+                token, position = torch.tensor([state.token_ids[p]]), torch.tensor([p])
+                pairs += [(cache[block_id, :, p % BLOCK], _slot_bytes(layer, token, position)[:, 0])
+                          for layer, cache in enumerate(self.caches.values())]
+        return pairs
 
     def block_bytes(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Every layer's pages of these blocks, copied."""
@@ -231,13 +272,13 @@ def expected_bytes(token_ids: list[int], num_blocks: int) -> list[torch.Tensor]:
 class Engine:
     """EngineCore.step's loop over the real Scheduler and the played runner."""
 
-    def __init__(self, vllm_config: VllmConfig, planned: _Planned, extra: dict) -> None:
+    def __init__(self, vllm_config: VllmConfig, planned: _Planned) -> None:
         self.scheduler = Scheduler(
             vllm_config=vllm_config, kv_cache_config=planned.scheduler,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=planned.block_size, hash_block_size=planned.hash_block_size,
             log_stats=True)
-        self.runner = PlayedModelRunner(planned.worker, extra)
+        self.runner = PlayedModelRunner(vllm_config, planned.worker)
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)
         # vLLM 0.33's EngineCore also passes its hash look-ahead (0 here); 0.32 has none.

@@ -28,9 +28,11 @@ BOUND_S = 0.3  # the copy bound under test
 
 class Stall:
     """Holds the first `count` shares that start, at their start, until `release()` (later
-    ones run at once)."""
+    ones run at once). `inside_op`: the held shares then run every op even if their copy
+    was given up meanwhile, as a thread already inside its op when that happened does
+    (the op in progress cannot be stopped)."""
 
-    def __init__(self, monkeypatch, count: int = 1) -> None:
+    def __init__(self, monkeypatch, count: int = 1, inside_op: bool = False) -> None:
         self._left = count
         self._lock = threading.Lock()
         self.held = threading.Event()  # a share is being held now
@@ -43,6 +45,8 @@ class Stall:
             if hold:
                 self.held.set()
                 self._release.wait(WAIT_S)
+                if inside_op:
+                    cancelled = threading.Event()  # (never set: nothing stops it now)
             return run_ops(ops, cancelled)
 
         monkeypatch.setattr(cpu_kernels, "_run_ops", held_run_ops)

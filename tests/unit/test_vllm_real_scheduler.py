@@ -4,14 +4,15 @@ Real: vLLM's `Scheduler`, built from vLLM's config classes over a tiny local Lla
 (`build_llama`, no download) and the `KVCacheConfig` vLLM's own planning gives one CPU worker.
 It creates `KVOffloadConnector` from `kv_transfer_config`, asks it for hits, parks requests in
 WAITING_FOR_REMOTE_KVS, takes its metadata every step and hands it the workers' output. The
-worker side is our `OffloadWorker` (host tier, threads) on caches laid out as vLLM allocates
-them (`allocate_kv_caches`).
+worker side is a worker-role `KVOffloadConnector` built by its own constructor (in vLLM's
+parallel groups of one process), with its `OffloadWorker` (host tier, threads), on caches laid
+out as vLLM allocates them (`allocate_kv_caches`).
 
-Played: vLLM's model runner, and the worker-role connector's routing of the runner's calls to
-the `OffloadWorker`, in vLLM's order; each step's result goes back to vLLM as a real
-`ModelRunnerOutput` with a `KVConnectorOutput`. The "forward" computes nothing: it writes
-bytes derived from (layer, token id, position) into each scheduled token's slot and samples a
-fixed word, so loaded bytes can be told from anything else.
+Played: vLLM's model runner, making the worker-role connector's calls in vLLM's order; each
+step's result goes back to vLLM as a real `ModelRunnerOutput` with a `KVConnectorOutput`.
+The "forward" computes nothing: it writes bytes derived from (layer, token id, position) into
+each scheduled token's slot and samples a fixed word, so loaded bytes can be told from
+anything else.
 
 Scenario: A runs to completion and its full blocks are stored; vLLM's prefix cache is reset
 and engine memory overwritten; B with A's prompt hits in our connector, waits for its load,
@@ -25,6 +26,9 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm")
+
+import threading
+import time
 
 import torch
 import vllm
@@ -61,7 +65,7 @@ def llama_dir(tmp_path_factory):
 
 def make_engine(model_dir, extra: dict) -> Engine:
     config = vllm_config_for(model_dir, extra)
-    return Engine(config, plan_kv_caches(config), extra)
+    return Engine(config, plan_kv_caches(config))
 
 
 @pytest.fixture
@@ -301,6 +305,56 @@ def test_a_request_ending_while_its_given_up_in_step_load_may_still_copy_keeps_i
     steps = engine.step_until(lambda s: "B" in s.finished_recving, "B reported back")
     assert "B" not in engine.scheduler.requests
     assert all(pool.blocks[i].ref_cnt == 0 for i in b_blocks)  # free for anyone now
+
+
+LONG_PROMPT_LEN = 880  # 28 blocks, 16 tokens short of a 29th
+
+
+def test_a_step_that_reuses_a_preempted_requests_blocks_waits_for_its_given_up_load(
+        engines, monkeypatch):
+    """B's in-step host load stalls and is given up; B is recomputed, then preempted while
+    that copy could still write B's blocks. vLLM frees a preempted request's blocks at once,
+    so the first step that hands one of them to another request waits, before its forward,
+    until the copy ended: the worker-role connector's `handle_preemptions` waits, and the
+    bytes the forward then writes there stay (without the wait, the copy would land after
+    them and the other request would read A's bytes). The stalled copy is one whose thread
+    was already inside its copy when the load was given up: it writes once it runs again."""
+    from test_cpu_backend_stalled_copies import Stall
+
+    engine = engines({**IN_STEP, "copy_timeout_s": 0.3})
+    engine.run_to_completion("A")
+    forget_in_engine(engine)
+    stall = Stall(monkeypatch, inside_op=True)  # (the next copy share to start: B's load)
+    # X and Y take every block B leaves (63 of the pool's 64 are usable: vLLM keeps one as
+    # its null block); 16 tokens into their decode they need one more, and vLLM preempts B.
+    for i, req_id in enumerate(("X", "Y")):
+        engine.add(req_id, max_tokens=100, prompt=[
+            4 + (k * (59 + i) + 7) % (VOCAB_SIZE - 4) for k in range(LONG_PROMPT_LEN)])
+    engine.add("B", max_tokens=100)
+    loaded = engine.step()
+    assert loaded.meta.in_step == ["B"] and stall.held.is_set()
+    b_loaded = set(scheduled_new(loaded, "B").block_ids[0][:FULL_BLOCKS])
+    release = threading.Timer(1.0, stall.release)
+    for _ in range(40):
+        output = engine.scheduler.schedule()
+        new_ids = output.scheduled_cached_reqs.new_block_ids
+        reused = {i for ids in new_ids if ids is not None for i in ids[0]} & b_loaded
+        if reused:
+            break
+        engine.execute(output)
+    else:
+        raise AssertionError("no step reused a block of B's given-up load")
+    assert "B" in output.preempted_req_ids
+    assert output.kv_connector_metadata.wait_for_loads
+    release.start()
+    started = time.monotonic()
+    engine.execute(output)
+    assert time.monotonic() - started >= 0.8  # the forward waited for the release
+    slots = [pair for block_id in reused
+             for pair in engine.runner.slots_written(output, block_id)]
+    engine.runner.worker.wait_for_given_up_loads()  # (the copy has landed, if it had not)
+    assert slots and all(torch.equal(got, want) for got, want in slots)
+    release.join()
 
 
 def test_a_request_that_ends_in_the_step_of_its_in_step_load_frees_its_blocks_at_once(
