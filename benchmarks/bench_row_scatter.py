@@ -14,6 +14,10 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
                       threads of our own, each single-threaded torch
   index_copy_c128_t / torch's `index_copy_` and `index_put_` over the complex128 view, on
   index_put_c128_t    torch's own intra-op threads
+  compiled_t          `torch.compile`'s `index_copy_` over the int64 view: the row scatter as
+                      a C++ loop that TorchInductor generates and compiles here (a C++
+                      compiler needed; skipped otherwise), on torch's own OpenMP threads;
+                      compiled once before the timing (`compile_s`: how long that took)
   copier              our `CpuCopier` moving the same plan (its plan built beforehand)
   job                 a whole load job through `CpuBackend` (planning included)
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
@@ -164,6 +168,38 @@ def c_probe(ids: np.ndarray, threads: int, repeats: int) -> float | None:
     return plain / scatter
 
 
+_compiled: list = []  # torch.compile's index_copy_, built once per process
+
+
+def compiled_index_copy():
+    """`dst.index_copy_(0, ids, src)` through TorchInductor (dynamic shapes: one build for
+    every row count); None where it cannot build (no C++ compiler)."""
+    if not _compiled:
+        def index_copy(dst: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+            dst.index_copy_(0, ids, src)
+
+        _compiled.append(torch.compile(index_copy, dynamic=True))
+    return _compiled[0]
+
+
+def compiled_scatter(engine: torch.Tensor, pool: torch.Tensor, ids: torch.Tensor,
+                     repeats: int) -> dict[str, float]:
+    """The compiled scatter's time and its build's, {} where it cannot build."""
+    wide_engine, wide_pool = engine.view(torch.int64), pool.view(torch.int64)
+    engine.numpy()[ids.numpy()] = 0  # (the earlier ways put the pool's rows there already)
+    fn = compiled_index_copy()
+    start = time.perf_counter()
+    try:
+        fn(wide_engine, ids[:8], wide_pool[:8])
+    except Exception as exc:  # (inductor's errors name a missing compiler, among others)
+        print(f"compiled_t skipped: torch.compile failed: {type(exc).__name__}: {exc}")
+        return {}
+    built_s = time.perf_counter() - start
+    timed = best_of(lambda: fn(wide_engine, ids, wide_pool), repeats)
+    assert np.array_equal(engine.numpy()[ids.numpy()], pool.numpy())  # (it did scatter)
+    return {"compiled_t": timed, "compile_s": built_s}
+
+
 def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
     from kv_offload.backends.cpu import CpuBackend
     from kv_offload.canonical import canonicalize
@@ -215,7 +251,12 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             "copier": best_of(lambda: copier.copy(plan), repeats),
             "job": best_of(job, repeats),
         }
+        compiled = compiled_scatter(engine, pool, ids_t, repeats)
+        if compiled:
+            figures["compiled_t"] = compiled["compiled_t"]
         ratios = {name: plain / t for name, t in figures.items()}
+        if compiled:
+            ratios["compile_s"] = compiled["compile_s"]
         ratios["plain_gbps"] = n * PAGE / plain / 1e9
         ratios.update(huge_page_scatter(engine_np, pool_np, ids, repeats))
         for threads in (1, 2):

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 import vllm
 from packaging.version import Version
@@ -37,6 +38,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kv_offload.backends.local_process import free_port
 from kv_offload.testing.engine_alloc import allocate_kv_caches
+from kv_offload.testing.tiny_models import build_llama
 from kv_offload.testing.tiny_vocab import VOCAB_SIZE
 from kv_offload.vllm.connector import KVOffloadConnector
 from kv_offload.vllm.metadata import KVOffloadMetadata
@@ -353,3 +355,36 @@ def forget_in_engine(engine: Engine) -> None:
     engine.runner.buffer.fill_(0x55)
 
 
+# ---- fixtures (the test modules import them) ----
+
+ASYNC_ONLY = {"cpu_bytes_to_use": 8 << 20, "in_step_load_bytes": 0}
+IN_STEP = {"cpu_bytes_to_use": 8 << 20}  # (the default budget: host hits load in-step)
+
+
+@pytest.fixture(scope="module", name="llama_dir")  # (named: imported under other names)
+def llama_dir(tmp_path_factory):
+    return build_llama(tmp_path_factory.mktemp("real_scheduler") / "llama")
+
+
+def make_engine(model_dir, extra: dict) -> Engine:
+    config = vllm_config_for(model_dir, extra)
+    return Engine(config, plan_kv_caches(config))
+
+
+@pytest.fixture(name="engines")
+def engines(llama_dir):
+    """`start(extra_config)` -> an Engine; every engine started is shut down after the test."""
+    started: list[Engine] = []
+
+    def start(extra: dict) -> Engine:
+        started.append(make_engine(llama_dir, extra))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.runner.worker.shutdown()
+
+
+@pytest.fixture(name="in_step_engine")
+def in_step_engine(engines):
+    return engines(IN_STEP)
