@@ -173,7 +173,8 @@ _compiled: list = []  # torch.compile's index_copy_, built once per process
 
 def compiled_index_copy():
     """`dst.index_copy_(0, ids, src)` through TorchInductor (dynamic shapes: one build for
-    every row count); None where it cannot build (no C++ compiler)."""
+    every row count), built at its first call, which raises where it cannot build (e.g. no
+    C++ compiler)."""
     if not _compiled:
         def index_copy(dst: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
             dst.index_copy_(0, ids, src)

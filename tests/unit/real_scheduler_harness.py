@@ -1,11 +1,11 @@
-"""The harness of test_vllm_real_scheduler.py: vLLM's real Scheduler over a tiny local Llama,
-and a played model runner that makes each step's calls on a real worker-role
-`KVOffloadConnector` (built by its own constructor, over a real `OffloadWorker`) in the order
-vLLM's runner makes them (`gpu_model_runner.execute_model` and
+"""The harness of test_vllm_real_scheduler.py and test_vllm_real_scheduler_stalls.py: vLLM's
+real Scheduler over a tiny local Llama, and a played model runner that makes each step's
+calls on a real worker-role `KVOffloadConnector` (built by its own constructor, over a real
+`OffloadWorker`) in the order vLLM's runner makes them (`gpu_model_runner.execute_model` and
 `KVConnectorModelRunnerMixin._get_kv_connector_output`: `handle_preemptions` first, in-step
 loads before the forward and asynchronous ones after it, `wait_for_layer_load` /
-`save_kv_layer` around each layer as `maybe_transfer_kv_layer` does). See that test's
-docstring."""
+`save_kv_layer` around each layer as `maybe_transfer_kv_layer` does). See the first test
+module's docstring."""
 
 # ruff: noqa: E402  (vLLM is imported only once importorskip found it)
 
