@@ -98,6 +98,9 @@ class OffloadManager:
         self._num_evictable = 0  # READY, unpinned, not dropped
         self._events: list[OffloadEvent] = []
         self.policy_failures = 0  # plug-in policies replaced by LRU after a fault
+        # Counts what can make a STORING key READY or ABSENT (a completed store, a reset):
+        # a waiter for such keys re-checks them only once this moved (`tiering_loads`).
+        self.settled = 0
 
     # --- queries ---
 
@@ -240,6 +243,7 @@ class OffloadManager:
                 stored.append(key)
             else:
                 self._release(key)
+        self.settled += 1
         self._emit("stored", stored)
 
     # --- reset and events ---
@@ -258,6 +262,7 @@ class OffloadManager:
             else:
                 self._release(key)
         self._num_evictable = 0
+        self.settled += 1
         self._ask_policy("reset")
         self._emit("removed", removed)
 

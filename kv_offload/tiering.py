@@ -116,7 +116,9 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         # Keys of stores not yet ended (how many stores carry each): a load of such a key
         # waits for it instead of failing (the scheduler counts planned stores as hits).
         self._storing: Counter[OffloadKey] = Counter()
+        self._stores_ended = 0  # (moves when keys leave `_storing`)
         self._storage_jobs: dict[int, StorageJob] = {}
+        self._reads: dict[int, Read] = {}  # reads in flight, not given up, oldest first
         self._new_loads: list[Load] = []  # submitted, not yet planned
         self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
         self._done: list[TieredResult] = []
@@ -263,6 +265,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         if self.storage is not None:
             for result in self._guarded("storage poll", self.storage.poll, []):
                 record = self._storage_jobs.pop(result.job_id, None)
+                self._reads.pop(result.job_id, None)
                 if record is not None:
                     self._guarded("storage results", lambda r=record, t=result:
                                   self._storage_done(r, t.succeeded), None, fail=record)

@@ -82,6 +82,9 @@ class Load:
     ready: Any = None  # GPU: the engine-stream event its copies into the engine wait for
     layers: Any = None  # LayerSteps: the progress of a load copied in one piece, per layer
     inline: bool = False  # host copies on the polling thread (an in-step load: CPU engines)
+    # (manager.settled, stores ended) when `awaiting` was last checked: re-checked once
+    # either moved (or at the deadline), not at every poll
+    seen: tuple[int, int] = (-1, -1)
 
 
 @dataclass

@@ -16,6 +16,12 @@ as hits before the workers report them) is awaited the same way: copied once the
 copy lands, failed if the store ends without it (skipped, failed, abandoned: a recompute,
 never stale bytes).
 
+What waits costs the pump's poll nothing until it can have changed (the poll holds the
+interpreter lock the engine's thread needs): a load's awaited keys are looked at again only
+once a store or read settled in host memory (`HostManager.settled`) or a store ended
+(`_stores_ended`), or at its deadline; reads are checked against their deadline oldest
+first (`_reads`), not by a scan of every storage job in flight (write-throughs included).
+
 A load's result is delivered only when nothing of it is in flight, even when it failed
 whole (`closed`): vLLM frees a failed request's blocks, so no copy of ours may still be
 writing them. Handlers decrement `pending` first, so a fault in the rest of a handler
@@ -135,6 +141,10 @@ class LoadPipeline:
         if not load.awaiting or load.closed:
             return
         late = time.monotonic() - load.started > self.read_timeout_s
+        seen = (self.manager.settled, self._stores_ended)
+        if seen == load.seen and not late:
+            return  # no store completed or ended since the last check: none is ready
+        load.seen = seen
         ready, still = [], []
         for key, state in zip(load.awaiting, self.manager.lookup(load.awaiting)):
             if state is SlotState.READY:
@@ -160,6 +170,7 @@ class LoadPipeline:
         load.reads.append(read)
         load.pending += 1
         self._storage_jobs[job] = read
+        self._reads[job] = read
 
     def _read_done(self, read: Read, succeeded: Sequence[bool]) -> None:
         load = read.load
@@ -197,17 +208,21 @@ class LoadPipeline:
         for load in list(self._staged.values()):
             self._stage(load)
             self._finish_load_if_done(load)
-        for record in list(self._storage_jobs.values()):
-            if isinstance(record, Read) and not record.given_up and \
-                    now - record.started > self.read_timeout_s:
-                self.faults.failed("storage read", "a read passed its deadline")
-                record.given_up = True  # its slots stay reserved until the tier answers
-                load = record.load
-                load.reads.remove(record)
-                load.pending -= 1
-                load.failed += record.keys
-                self._stage(load)
-                self._finish_load_if_done(load)
+        # Reads past their deadline: the oldest first, so O(reads given up), not O(jobs in
+        # flight) (the storage jobs include every write-through still queued).
+        while self._reads:
+            job, record = next(iter(self._reads.items()))
+            if now - record.started <= self.read_timeout_s:
+                break  # the rest started later
+            del self._reads[job]
+            self.faults.failed("storage read", "a read passed its deadline")
+            record.given_up = True  # its slots stay reserved until the tier answers
+            load = record.load
+            load.reads.remove(record)
+            load.pending -= 1
+            load.failed += record.keys
+            self._stage(load)
+            self._finish_load_if_done(load)
 
     def _fail_load(self, load: Load) -> None:
         load.closed = True

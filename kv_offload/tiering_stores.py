@@ -143,6 +143,7 @@ class StorePipeline:
                 storing[key] = left
             else:
                 del storing[key]
+        self._stores_ended += 1
 
     def _write_through(self, keys: Sequence[OffloadKey]) -> None:
         if self.storage is None:
