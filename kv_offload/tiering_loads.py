@@ -18,7 +18,7 @@ never stale bytes).
 
 What waits costs the pump's poll nothing until it can have changed (the poll holds the
 interpreter lock the engine's thread needs): a load's awaited keys are looked at again only
-once a store or read settled in host memory (`HostManager.settled`) or a store ended
+once a store or read settled in host memory (`OffloadManager.settled`) or a store ended
 (`_stores_ended`), or at its deadline; reads are checked against their deadline oldest
 first (`_reads`), not by a scan of every storage job in flight (write-throughs included).
 
