@@ -26,6 +26,18 @@ def poll_until_done(store, job_ids: list[int]) -> dict:
     return results
 
 
+def reader_of(canonical, tmp_path, keys: list[bytes], **kw):
+    """A new store over a disk another one wrote `keys` to (from engine blocks 1, 2, ...),
+    once its storage tier shows them."""
+    writer = make_store(canonical, tmp_path, slots=8)
+    writer.wait([writer.submit_store({0: (keys, list(range(1, 1 + len(keys))))})])
+    writer.flush()
+    writer.close()
+    reader = make_store(canonical, tmp_path, slots=8, **kw)
+    wait_for_storage(reader, [(k, 0) for k in keys])
+    return reader
+
+
 def test_a_load_awaiting_a_stores_key_is_checked_again_only_once_a_store_settled(monkeypatch):
     _, canonical = hybrid()
     store = make_store(canonical, None, slots=8)
@@ -82,12 +94,7 @@ def test_loads_sharing_one_read_copy_its_keys_as_it_lands_not_at_their_deadline(
     the read completing is what makes them look again."""
     _, canonical = hybrid()
     keys = [h(30), h(31)]
-    writer = make_store(canonical, tmp_path, slots=8)
-    writer.wait([writer.submit_store({0: (keys, [1, 2])})])
-    writer.flush()
-    writer.close()
-    reader = make_store(canonical, tmp_path, slots=8)  # (reads' deadline: 30 s, > WAIT_S)
-    wait_for_storage(reader, [(k, 0) for k in keys])
+    reader = reader_of(canonical, tmp_path, keys)  # (reads' deadline: 30 s, > WAIT_S)
     jobs = [reader.submit_load({0: (keys, [4 + 2 * i, 5 + 2 * i])}) for i in range(3)]
     results = poll_until_done(reader, jobs)
     assert all(results[j].success for j in jobs)
@@ -100,12 +107,7 @@ def test_a_read_past_its_deadline_is_given_up_while_writes_are_in_flight(tmp_pat
                                                                          monkeypatch):
     _, canonical = hybrid()
     keys = [h(10), h(11)]
-    writer = make_store(canonical, tmp_path, slots=8)
-    writer.wait([writer.submit_store({0: (keys, [1, 2])})])
-    writer.flush()
-    writer.close()
-    reader = make_store(canonical, tmp_path, slots=8, read_timeout_s=0.3)
-    wait_for_storage(reader, [(k, 0) for k in keys])
+    reader = reader_of(canonical, tmp_path, keys, read_timeout_s=0.3)
     flowing = threading.Event()  # set: the disk's answers reach the store
     poll = reader.storage.poll
     monkeypatch.setattr(reader.storage, "poll", lambda: poll() if flowing.is_set() else [])
