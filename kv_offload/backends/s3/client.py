@@ -3,6 +3,10 @@
 Contents:
 - `make_client(config)`: an S3 client with the tier's timeouts, retries and connection pool.
 - `parse_timestamp`: the timestamp parser its responses use.
+- `endpoint_cache_advice(version)`: what to say of a botocore that resolves the endpoint
+  per object key (before 1.43.14: every request evaluates S3's whole endpoint rule set, a
+  tenth to a quarter of its CPU here; boto/botocore#3692). The `s3` extra requires a newer
+  one; a botocore installed apart from it gets one warning per process.
 
 Why a parser of our own: a listing page holds 1000 ``LastModified`` timestamps, and
 botocore's default parser (dateutil) took ~60% of the CPU of a page (62 ms of CPU per 1000
@@ -13,14 +17,35 @@ own parser, so every timestamp is still a ``datetime``.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
 import boto3
+import botocore
 import botocore.session
 from botocore.config import Config as BotoConfig
 from botocore.utils import parse_timestamp as botocore_timestamp
 
 from kv_offload.backends.s3.config import S3TierConfig
+
+logger = logging.getLogger(__name__)
+
+FIXED_IN = (1, 43, 14)  # the first botocore whose S3 endpoint cache is per bucket
+_advised = False
+
+
+def endpoint_cache_advice(version: str) -> str | None:
+    """A warning for a botocore older than `FIXED_IN`, else None."""
+    try:
+        parts = tuple(int(p) for p in version.split(".")[:3])
+    except ValueError:  # (a development build: nothing to say)
+        return None
+    if parts >= FIXED_IN:
+        return None
+    return (f"kv-offload S3 tier: botocore {version} resolves the S3 endpoint again for "
+            f"every object key (fixed in botocore 1.43.14, boto/botocore#3692), which costs "
+            f"the engine's process CPU on every request; install kv-offload[s3] or "
+            f"`pip install 'boto3>=1.43.14'`")
 
 
 def parse_timestamp(value: str) -> datetime:
@@ -32,6 +57,10 @@ def parse_timestamp(value: str) -> datetime:
 
 def make_client(config: S3TierConfig):
     """A client of its own session (the parser setting stays with it)."""
+    global _advised
+    if not _advised and (advice := endpoint_cache_advice(botocore.__version__)):
+        logger.warning(advice)
+    _advised = True
     session = botocore.session.get_session()
     session.get_component("response_parser_factory").set_parser_defaults(
         timestamp_parser=parse_timestamp)
