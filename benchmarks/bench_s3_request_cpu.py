@@ -124,12 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_round:
         print(json.dumps(measure(args)))
         return 0
-    own = [a for a in (argv if argv is not None else sys.argv[1:])]
-    child_argv = [a for i, a in enumerate(own) if a != "--json" and
-                  (i == 0 or own[i - 1] != "--json")]
-    if args.compare:
-        cut = child_argv.index("--compare")
-        child_argv = child_argv[:cut] + child_argv[cut + 1 + len(args.compare):]
+    child_argv = ["--requests", str(args.requests), "--batch", str(args.batch),
+                  "--block-kib", str(args.block_kib), "--connections", str(args.connections)]
     trees = args.compare or [str(Path(__file__).resolve().parent.parent)]
     rounds: dict[str, list[dict]] = {tree: [] for tree in trees}
     for r in range(args.rounds):
