@@ -11,7 +11,9 @@ counted):
                the calling thread's CPU per request
   client_get   one ranged `get_object` of such a record, read whole: the same
   tier_write   `S3Tier.submit_write` of `--batch` blocks, waited for: the process's CPU
-               (every thread: packing, checksum, the I/O threads' requests) per block
+               (every thread: packing, checksum, the I/O threads' requests, and the main
+               thread's polls for the result, every millisecond) per block; the tier's
+               listing crawl is off
   tier_read    `S3Tier.submit_read` of those blocks into host buffers, verified: the same
 
 Each figure is the median over `--rounds` rounds of `--requests` requests (or blocks) each,
@@ -54,7 +56,8 @@ def measure(args) -> dict:
     cpu: dict[str, float] = {}
     with LocalS3Server() as server:
         options = {"bucket": BUCKET, "endpoint_url": server.endpoint_url,
-                   "bytes_to_use": "8GiB", "connections": args.connections}
+                   "bytes_to_use": "8GiB", "connections": args.connections,
+                   "refresh_interval_s": 0}  # (no crawl: its CPU would count as the jobs')
         tier = S3Tier.from_options(options, "request-cpu")
         try:
             client = make_client(tier.config)  # (the tier's configuration: a client like its own)
