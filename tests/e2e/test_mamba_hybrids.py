@@ -34,8 +34,13 @@ PROMPTS = [word_prompt(150), word_prompt(70, offset=200), word_prompt(256, offse
 # Each starts with a whole prompt above and goes on: a hit may cover at most the shared part.
 LONGER = [PROMPTS[0] + " " + word_prompt(90, offset=420),
           PROMPTS[2] + " " + word_prompt(60, offset=20)]
+# The SSM state in float32 on every machine: vLLM's CPU platform sets it so itself only where
+# the CPU has AVX-512 BF16 (its accelerated GDN/Mamba path); elsewhere (AVX2) the state stays
+# bf16, its page halves, and vLLM unifies the block at 32 tokens instead of 64 (the granite
+# model then breaks vLLM's CPU Mamba2 scan, whose chunk must equal the block).
+SSM_STATE = {"mamba_ssm_cache_dtype": "float32"}
 MODELS = {
-    "qwen3_next": {"builder": build_qwen3_next, "engine_args": {},
+    "qwen3_next": {"builder": build_qwen3_next, "engine_args": {**SSM_STATE},
                    "pressure": {"bytes": 4 * 1024 * 1024, "prompt": 200, "max_tokens": 48,
                                 "preemption_invariant": True}},
     # One 64-token chunk per step: requests are admitted one at a time, so only requests
@@ -45,7 +50,7 @@ MODELS = {
     # without any connector: 3 of 8 requests changed tokens after 25-129 positions with 5
     # preemptions vs none). Only what precedes any decode is compared exactly there.
     "granite_hybrid": {"builder": build_granite_hybrid,
-                       "engine_args": {"max_num_batched_tokens": BLOCK},
+                       "engine_args": {"max_num_batched_tokens": BLOCK, **SSM_STATE},
                        "pressure": {"bytes": 384 * 1024, "prompt": 180, "max_tokens": 80,
                                     "preemption_invariant": False}},
 }

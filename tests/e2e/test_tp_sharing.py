@@ -11,13 +11,17 @@ Four engine processes (the tiny Llama-like model, 2 KV heads: a TP=2 rank holds 
 - a fresh TP=2 engine over the TP=1 writer's Valkey prefix (each rank takes its head out of
   the one record the TP=1 rank wrote)
 must report the whole prefix cached and generate the tokens of recompute at their own TP
-size. The logprobs cannot be bit-identical to vLLM's own cache at the reader's TP size: the
-prefix KV itself was computed at the other TP size (its all-reduces round differently in
-bf16: the two TP sizes' own outputs differ by up to ~0.13 in a top-5 logprob here, and their
-top-5 sets differ). So every generated position's top-5 logprobs must be within
-`LOGPROB_TOLERANCE` of vLLM's own cache at the reader's TP size (measured: 0.004), an order
-of magnitude inside the gap between the TP sizes themselves, which the test also checks;
-wrong heads or misplaced bytes change tokens (the byte-exact proof is the unit tests').
+size, or those of the TP size that computed the prefix: the prefix KV itself was computed at
+the other TP size (its all-reduces round differently in bf16: the two TP sizes' own outputs
+differ by up to ~0.13 in a top-5 logprob here, and their top-5 sets differ), so where the two
+TP sizes' own generations part at a near-tie, the reader may follow either (on an AVX2-only
+machine one request's fourth token does: the TP=2 reader follows the TP=1 writer).
+The logprobs cannot be bit-identical to vLLM's own cache at the reader's TP size either:
+at every generated position that both saw the same tokens before, the reader's top-5
+logprobs must be within `LOGPROB_TOLERANCE` of vLLM's own cache at the reader's TP size
+(measured: 0.004), an order of magnitude inside the gap between the TP sizes themselves,
+which the test also checks; wrong heads or misplaced bytes change tokens and logprobs far
+more (the byte-exact proof is the unit tests').
 Runs in 3 minutes here on a quiet machine (two TP=2 engines, multiprocess), 6 to 10 under
 the load of other developers' jobs.
 """
@@ -58,22 +62,29 @@ def test_a_prefix_crosses_tp_sizes_through_disk_and_valkey(tiny_models, tmp_path
 
     tp_gap = deviation(w1["passes"][0], w2["passes"][0])
     assert tp_gap > 5 * LOGPROB_TOLERANCE  # (else this model would not tell TP sizes apart)
-    for writer, (reader,) in ((w1, r1["passes"]), (w2, r2["passes"])):
+    # (the reader, the writer at its own TP size, the writer that computed its prefix)
+    for writer, source, (reader,) in ((w1, w2, r1["passes"]), (w2, w1, r2["passes"])):
         computed, engine_cached = writer["passes"]
         assert cached(computed) == [0] * len(PROMPTS)
         assert cached(reader) == full_prefixes(reader) == cached(engine_cached)  # all hit
-        assert token_ids(reader) == token_ids(computed) == token_ids(engine_cached)
-        assert deviation(reader, engine_cached) <= LOGPROB_TOLERANCE
+        assert token_ids(computed) == token_ids(engine_cached)
+        for got, own, other in zip(token_ids(reader), token_ids(computed),
+                                   token_ids(source["passes"][0]), strict=True):
+            assert got in (own, other)
+        assert deviation(reader, engine_cached, same_tokens_before=True) <= LOGPROB_TOLERANCE
     for name in ("r1", "r2"):
         assert "will be recomputed" not in (tmp_path / name / "engine.log").read_text()
 
 
-def deviation(a: dict, b: dict) -> float:
+def deviation(a: dict, b: dict, same_tokens_before: bool = False) -> float:
     """The largest difference of a top-5 logprob of a token both passes list, over every
-    generated position of every request."""
+    generated position of every request (`same_tokens_before`: only positions both passes
+    reached with the same tokens)."""
     worst = 0.0
-    for (_, steps_a), (_, steps_b) in zip(outputs(a), outputs(b), strict=True):
-        for top_a, top_b in zip(steps_a, steps_b, strict=True):
+    for (tokens_a, steps_a), (tokens_b, steps_b) in zip(outputs(a), outputs(b), strict=True):
+        for k, (top_a, top_b) in enumerate(zip(steps_a, steps_b, strict=True)):
+            if same_tokens_before and tokens_a[:k] != tokens_b[:k]:
+                break
             for token in top_a.keys() & top_b.keys():
                 worst = max(worst, abs(top_a[token] - top_b[token]))
     return worst
