@@ -28,13 +28,14 @@ def _valkey(root, request):
                                     "refresh_interval_s": 0}, "suite-layout")
 
 
-def _s3(root, request):
+def _s3(root, request, helper_process=True):
     from kv_offload.backends.s3 import S3Tier
 
     server = request.getfixturevalue("s3_server")
     return S3Tier.from_options({"bucket": make_bucket(server.endpoint_url),
                                 "endpoint_url": server.endpoint_url, "bytes_to_use": 1 << 30,
-                                "refresh_interval_s": 0}, "suite-layout")
+                                "refresh_interval_s": 0, "helper_process": helper_process},
+                               "suite-layout")
 
 
 TIER_FACTORIES = {
@@ -48,7 +49,8 @@ TIER_FACTORIES = {
         )
     ),
     "valkey": _valkey,
-    "s3": _s3,
+    "s3": _s3,  # (its requests in a helper process, the default)
+    "s3-in-process": lambda root, request: _s3(root, request, helper_process=False),
 }
 
 SIZES = [1, 100, 4096, 4097, 65536 + 3, 1 << 20]

@@ -26,9 +26,11 @@
 - Reads are ranged GETs of at most the record the caller's buffer needs (sized_read.py): an
   object of another size costs no more memory than the buffer.
 - ``lookup`` answers from that index (never the network). Jobs run one request per key on
-  ``connections`` threads; every request is bounded by ``request_timeout_s`` as a whole
-  however slowly the endpoint sends (deadline.py), an unreachable endpoint makes later jobs
-  fail fast for ``retry_interval_s`` (``Outage``), one log line per episode.
+  ``connections`` threads, each request sent to a helper process that runs botocore
+  (remote_client.py; ``helper_process: false``: in this process); every request is bounded
+  by ``request_timeout_s`` as a whole however slowly the endpoint sends (deadline.py), an
+  unreachable endpoint makes later jobs fail fast for ``retry_interval_s`` (``Outage``),
+  one log line per episode.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from kv_offload.backends.s3.client import make_client
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.s3.keys import BucketKeys
 from kv_offload.backends.s3.listing import PrefixListing
+from kv_offload.backends.s3.remote_client import HelperClient
 from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.config import format_size
 
@@ -87,10 +90,11 @@ class S3Tier(StorageTier):
     def __init__(self, config: S3TierConfig) -> None:
         self.config = config
         self._root = f"{config.prefix}{config.codec.namespace(config.layout_fingerprint)}/"
-        self._s3 = make_client(config)
+        # (the helper process installs the deadlines on its own client)
+        self._s3 = HelperClient(config) if config.helper_process else make_client(config)
         self._index = BucketKeys(config.bytes_to_use, config.evict_others)
         self._book = JobBook("S3Tier", logger)
-        if not install_deadlines(self._s3):  # pragma: no cover - a botocore unlike ours
+        if not config.helper_process and not install_deadlines(self._s3):  # pragma: no cover
             logger.warning("kv-offload: cannot bound whole requests to %s with this botocore; "
                            "only each socket read is bounded (timeout_s)", config.endpoint_url)
         where = config.endpoint_url or "AWS S3"
@@ -169,6 +173,7 @@ class S3Tier(StorageTier):
         # queued ones fail at once.
         self._refresher.stop(timeout_s=self.config.request_timeout_s + self.config.timeout_s)
         self._io.shutdown(wait=True)
+        self._s3.close()  # (the helper process ends with it)
 
     # -- optional hooks --------------------------------------------------------------------
 
@@ -185,9 +190,11 @@ class S3Tier(StorageTier):
         for key in held:
             self._index.remove(key)
         try:
-            for page in self._s3.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.config.bucket, Prefix=self._root):
-                self._delete_names([obj["Key"] for obj in page.get("Contents", [])])
+            after = {}  # (requests, not a paginator: the helper's client has none)
+            while names := [obj["Key"] for obj in self._s3.list_objects_v2(
+                    Bucket=self.config.bucket, Prefix=self._root, **after).get("Contents", [])]:
+                self._delete_names(names)
+                after = {"StartAfter": names[-1]}
         except (BotoCoreError, ClientError, OSError) as e:
             self._book.count("clear_failed")
             self._book.note("clear", "could not delete the objects of %s: %s", self._where, e)
@@ -207,10 +214,13 @@ class S3Tier(StorageTier):
         """The generation record, an object beside this layout's (None if absent; an
         unreachable endpoint raises, bounded by the timeouts)."""
         try:
-            reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._generation_name())
+            reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._generation_name(),
+                                        Range=f"bytes=0-{(1 << 16) - 1}")
         except ClientError as e:
             if _code(e) in ABSENT:
                 return None
+            if _code(e) in ("InvalidRange", "416"):  # an empty object
+                return b""
             raise
         return reply["Body"].read(1 << 16)
 

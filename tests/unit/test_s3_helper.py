@@ -1,0 +1,162 @@
+"""The S3 tier's helper process (remote_client.py, helper.py) against moto's S3 server on
+loopback: botocore runs there, not in the engine's process; a helper that dies or stalls
+costs misses, never wrong bytes or a hang, and a new one serves after it; it never outlives
+its parent. (The whole tier contract runs through the helper too: test_tier_suite.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import make_bucket
+from tier_helpers import random_bytes, read, write
+
+pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e '.[dev]')")
+import botocore.endpoint  # noqa: E402
+from botocore.exceptions import ClientError  # noqa: E402
+
+from kv_offload.backends.s3 import S3Tier, S3TierConfig, remote_client  # noqa: E402
+from kv_offload.backends.s3.remote_client import HelperClient, HelperStartError  # noqa: E402
+
+FINGERPRINT = "llama|LBHNC|page=65536|tp1|rank0"
+
+
+def make_tier(server, **options) -> S3Tier:
+    opts = {"bucket": make_bucket(server.endpoint_url), "endpoint_url": server.endpoint_url,
+            "bytes_to_use": 1 << 30, "refresh_interval_s": 0, **options}
+    return S3Tier.from_options(opts, FINGERPRINT)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # (a zombie is not alive)
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def wait_until(condition, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.parametrize("helper_process", [True, False])
+def test_with_the_helper_no_botocore_request_runs_in_the_engines_process(
+        s3_server, monkeypatch, helper_process):
+    """Counted on botocore's `Endpoint.make_request` in this process: none with the helper,
+    one per request without it (which shows the count sees the tier's requests)."""
+    made = []
+    original = botocore.endpoint.Endpoint.make_request
+    monkeypatch.setattr(botocore.endpoint.Endpoint, "make_request",
+                        lambda self, *a, **k: made.append(1) or original(self, *a, **k))
+    tier = make_tier(s3_server, helper_process=helper_process)
+    keys = [f"k{i}".encode() for i in range(10)]
+    values = [random_bytes(5000, i) for i in range(10)]
+    before = len(made)  # (the start-up listing)
+    assert write(tier, keys, values).ok
+    outs = [random_bytes(5000, 99) for _ in keys]
+    assert read(tier, keys, outs).ok
+    assert all(bool((o == v).all()) for o, v in zip(outs, values))
+    assert len(made) - before == (0 if helper_process else 20)
+    tier.close()
+
+
+def test_a_store_error_comes_back_as_the_same_client_error(s3_server):
+    bucket = make_bucket(s3_server.endpoint_url)
+    client = HelperClient(S3TierConfig(bucket=bucket, bytes_to_use=1, layout_fingerprint="f",
+                                       endpoint_url=s3_server.endpoint_url))
+    try:
+        with pytest.raises(ClientError) as caught:
+            client.get_object(Bucket=bucket, Key="absent", Range="bytes=0-9")
+        assert caught.value.response["Error"]["Code"] in ("NoSuchKey", "404")
+        client.put_object(Bucket=bucket, Key="there", Body=b"0123456789abcdef")
+        reply = client.get_object(Bucket=bucket, Key="there", Range="bytes=0-9")
+        with reply["Body"] as body:
+            assert body.read() == b"0123456789"
+        assert reply["ContentRange"] == "bytes 0-9/16"
+    finally:
+        client.close()
+
+
+def test_a_killed_helper_costs_misses_and_a_new_one_serves_after_it(s3_server):
+    tier = make_tier(s3_server, retry_interval_s=0.2)
+    values = [random_bytes(5000, i) for i in range(3)]
+    assert write(tier, [b"a", b"b", b"c"], values).ok
+    first = tier._s3.pid
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: not alive(first), 5.0)
+    out = random_bytes(5000, 50)
+    assert read(tier, [b"a"], [out]).succeeded == (False,)  # a miss, at once
+    assert bool((out == random_bytes(5000, 50)).all())  # untouched
+    assert tier.stats()["outages"] == 1
+    time.sleep(max(0.3, remote_client.RESTART_INTERVAL_S))
+    assert wait_until(lambda: read(tier, [b"b"], [out]).ok, 5.0)
+    assert bool((out == values[1]).all()) and tier._s3.pid not in (None, first)
+    tier.close()
+
+
+def test_a_stalled_helper_is_a_timeout_and_its_late_reply_answers_nothing(s3_server):
+    """SIGSTOP the helper mid-request: the call ends after its deadline plus the grace; once
+    the helper runs again its late reply must not be taken as the next call's."""
+    bucket = make_bucket(s3_server.endpoint_url)
+    client = HelperClient(S3TierConfig(bucket=bucket, bytes_to_use=1, layout_fingerprint="f",
+                                       endpoint_url=s3_server.endpoint_url,
+                                       request_timeout_s=0.5))
+    try:
+        client.put_object(Bucket=bucket, Key="one", Body=b"first object")
+        client.put_object(Bucket=bucket, Key="two", Body=b"the second")
+        os.kill(client.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError):
+                client.get_object(Bucket=bucket, Key="one")
+            assert time.monotonic() - start < 0.5 + remote_client.GRACE_S + 3.0  # (bounded)
+        finally:
+            os.kill(client.pid, signal.SIGCONT)
+        time.sleep(0.3)  # (the late reply to "one" is sent now, to a closed channel)
+        with client.get_object(Bucket=bucket, Key="two")["Body"] as body:
+            assert body.read() == b"the second"
+    finally:
+        client.close()
+
+
+def test_the_helper_ends_with_the_tier_and_with_a_killed_parent(s3_server, tmp_path):
+    tier = make_tier(s3_server)
+    pid = tier._s3.pid
+    tier.close()
+    assert wait_until(lambda: not alive(pid), 5.0)
+    script = textwrap.dedent(f"""
+        import sys, time
+        from kv_offload.backends.s3 import S3TierConfig
+        from kv_offload.backends.s3.remote_client import HelperClient
+        client = HelperClient(S3TierConfig(bucket="b", bytes_to_use=1, layout_fingerprint="f",
+                                           endpoint_url={s3_server.endpoint_url!r}))
+        print(client.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True, cwd=tmp_path)
+    try:
+        helper = int(parent.stdout.readline())
+        assert alive(helper)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_until(lambda: not alive(helper), 5.0)
+
+
+def test_a_helper_that_cannot_start_is_a_clear_error(s3_server, monkeypatch, tmp_path):
+    monkeypatch.setattr(remote_client, "HELPER", tmp_path / "missing.py")
+    with pytest.raises(HelperStartError, match="exited with code 2 before it was ready.*"
+                                               "helper_process: false"):
+        make_tier(s3_server)
