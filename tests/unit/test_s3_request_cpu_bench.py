@@ -35,7 +35,10 @@ def test_two_trees_alternate_and_every_way_reports_the_cpu_of_its_requests(tmp_p
         assert len(runs) == 2
         for run in runs:
             assert set(run["cpu_ms"]) == set(bench_s3_request_cpu.WAYS)
-            # Some CPU per request, far less than a second (a failed job raises instead).
-            assert all(0 < ms < 1000 for ms in run["cpu_ms"].values()), run
+            # Some CPU per request, far less than a second (a failed job raises instead);
+            # the helper's is read in clock ticks (10 ms): a few requests may show none.
+            assert all(0 < ms < 1000 for way, ms in run["cpu_ms"].items()
+                       if not way.startswith("helper_")), run
+            assert 0 <= run["cpu_ms"]["helper_write"] < 1000, run
     table = capsys.readouterr().out
     assert "client_put" in table and "x first" in table
