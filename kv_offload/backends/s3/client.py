@@ -4,9 +4,10 @@ Contents:
 - `make_client(config)`: an S3 client with the tier's timeouts, retries and connection pool.
 - `parse_timestamp`: the timestamp parser its responses use.
 - `endpoint_cache_advice(version)`: what to say of a botocore that resolves the endpoint
-  per object key (before 1.43.14: every request evaluates S3's whole endpoint rule set, a
-  tenth to a quarter of its CPU here; boto/botocore#3692). The `s3` extra requires a newer
-  one; a botocore installed apart from it gets one warning per process.
+  per object key (before 1.43.14: every request evaluates S3's whole endpoint rule set, 5
+  to 27% of its CPU here, by how it was measured; boto/botocore#3692). The `s3` extra
+  requires a newer one; a botocore installed apart from it gets one warning per process.
+  (It is the helper process's CPU by default: remote_client.py.)
 
 Why a parser of our own: a listing page holds 1000 ``LastModified`` timestamps, and
 botocore's default parser (dateutil) took ~60% of the CPU of a page (62 ms of CPU per 1000
