@@ -33,7 +33,7 @@ import os
 import pytest
 from engine_harness import run_engine, token_ids
 from test_connector import PROMPTS, cached, connector_config, full_prefixes, outputs, spec
-from test_shared_valkey import shared_config, valkey_url  # noqa: F401 (a fixture)
+from test_shared_stores import shared_config, valkey_url  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -52,9 +52,8 @@ def engine(model, tmp_path, name: str, passes, config, tp: int):
 def test_a_prefix_crosses_tp_sizes_through_disk_and_valkey(tiny_models, tmp_path,
                                                             valkey_url):  # noqa: F811
     model, disk = tiny_models["llama"], connector_config(tmp_path / "kv")
-    valkey = shared_config(valkey_url, "64MiB")
-    valkey["kv_connector_extra_config"]["storage_options"]["key_prefix"] = \
-        f"e2e-tp-{os.getpid()}:"
+    valkey = shared_config("valkey", {"url": valkey_url, "key_prefix": f"e2e-tp-{os.getpid()}:"},
+                           "64MiB")
     w2 = engine(model, tmp_path, "w2", [{}, {}], disk, tp=2)
     w1 = engine(model, tmp_path, "w1", [{}, {}], valkey, tp=1)
     r1 = engine(model, tmp_path, "r1", [{}], disk, tp=1)  # TP=2 -> TP=1 through disk
