@@ -78,12 +78,14 @@ def test_io_threads_a_tier_starts_later_also_run_off_the_engine_cores(tmp_path):
     engine_cpu = {min(allowed)}
 
     def open_then_write_later():
+        earlier = {t.ident for t in threading.enumerate()}  # (other tests' tiers' threads)
         with spread_threads():  # the tier is opened here (as the worker does)...
             tier = FilesystemTier(FilesystemTierConfig(str(tmp_path), "m", 1 << 30,
                                                        rescan_interval_s=0))
         key, data = chunk(1, 8192)
         assert write(tier, [key], [data]).ok  # ...its pool starts its workers only now
-        pool = [t for t in threading.enumerate() if t.name.startswith("kv-fs-io")]
+        pool = [t for t in threading.enumerate()
+                if t.name.startswith("kv-fs-io") and t.ident not in earlier]
         found = {t.name: os.sched_getaffinity(t.native_id) for t in pool}
         tier.close()
         return found
