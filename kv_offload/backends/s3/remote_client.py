@@ -136,6 +136,9 @@ class HelperClient:
                 raise TimeoutError(f"the S3 helper process gave no reply to {method} within "
                                    f"{timeout_s + GRACE_S:.1f} s")
             outcome, value, has_body = pickle.loads(channel.recv_bytes())
+            if has_body and not channel.poll(GRACE_S):  # (sent right after the header)
+                raise TimeoutError(f"the S3 helper process sent the reply to {method} "
+                                   f"without its body within {GRACE_S:.1f} s")
             reply_body = channel.recv_bytes() if has_body else None
             clean = True
         except (EOFError, OSError) as e:
@@ -177,6 +180,8 @@ class HelperClient:
         for channel in self._free:
             channel.close()
         self._free.clear()
+        if self._process is not None:
+            _stop(self._process)  # (dead already: its pipes closed, not leaked)
         try:
             self._start()
         except HelperStartError as e:
