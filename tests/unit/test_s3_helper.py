@@ -6,10 +6,12 @@ its parent. (The whole tier contract runs through the helper too: test_tier_suit
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -130,6 +132,55 @@ def test_a_stalled_helper_is_a_timeout_and_its_late_reply_answers_nothing(s3_ser
         client.close()
 
 
+def outcome_within(call, seconds: float):
+    """Run ``call`` on a thread: what it returned or raised, or "still waiting" after
+    ``seconds`` (so a wait without a bound fails the test instead of hanging it)."""
+    result = []
+
+    def run():
+        try:
+            result.append(call())
+        except BaseException as e:  # noqa: BLE001 - the outcome under test
+            result.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else "still waiting"
+
+
+@pytest.mark.parametrize("what", ["a new channel's handshake", "a body past the socket buffer"])
+def test_every_socket_wait_on_a_stopped_helper_is_bounded(s3_server, what):
+    """A stopped helper accepts and reads nothing: opening a channel (its connect and key
+    handshake) and sending a body larger than the socket's buffer must still end, as a
+    timeout, within the call's bound; once it runs again the client serves as before."""
+    bucket = make_bucket(s3_server.endpoint_url)
+    client = HelperClient(S3TierConfig(bucket=bucket, bytes_to_use=1, layout_fingerprint="f",
+                                       endpoint_url=s3_server.endpoint_url,
+                                       request_timeout_s=0.5))
+    big = os.urandom(16 << 20)  # (far past a Unix socket's buffer)
+    try:
+        if what == "a body past the socket buffer":
+            client.put_object(Bucket=bucket, Key="warm", Body=b"a channel kept for reuse")
+            call = lambda: client.put_object(Bucket=bucket, Key="big", Body=big)  # noqa: E731
+        else:  # (no channel kept: the call must open one)
+            call = lambda: client.get_object(Bucket=bucket, Key="warm")  # noqa: E731
+        os.kill(client.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            outcome = outcome_within(call, 0.5 + remote_client.GRACE_S + 5.0)
+            took = time.monotonic() - start
+        finally:
+            os.kill(client.pid, signal.SIGCONT)
+        assert isinstance(outcome, TimeoutError), outcome
+        assert took < 0.5 + remote_client.GRACE_S + 3.0
+        client.put_object(Bucket=bucket, Key="after", Body=b"served again")
+        with client.get_object(Bucket=bucket, Key="after")["Body"] as body:
+            assert body.read() == b"served again"
+    finally:
+        client.close()
+
+
 def test_the_helper_ends_with_the_tier_and_with_a_killed_parent(s3_server, tmp_path):
     tier = make_tier(s3_server)
     pid = tier._s3.pid
@@ -160,3 +211,31 @@ def test_a_helper_that_cannot_start_is_a_clear_error(s3_server, monkeypatch, tmp
     with pytest.raises(HelperStartError, match="exited with code 2 before it was ready.*"
                                                "helper_process: false"):
         make_tier(s3_server)
+
+
+def test_a_reply_the_helper_cannot_pickle_is_answered_as_its_error_not_silence():
+    """The helper's loop over a real pipe, with a client whose reply holds a lambda: the
+    caller gets the helper's traceback at once instead of waiting out its deadline."""
+    import contextlib
+    from multiprocessing import Pipe
+
+    from kv_offload.backends.s3 import helper
+
+    class Client:
+        def put_object(self, **kwargs):
+            return {"ETag": lambda: "cannot pickle this"}
+
+    ours, theirs = Pipe()
+    thread = threading.Thread(target=helper.serve, daemon=True, args=(
+        theirs, Client(), lambda s: contextlib.nullcontext(), (ClientError, OSError)))
+    thread.start()
+    ours.send_bytes(pickle.dumps(("put_object", {"Key": "k"}, 1.0, True)))
+    ours.send_bytes(b"body")
+    assert ours.poll(5.0)
+    outcome, value, has_body = pickle.loads(ours.recv_bytes())
+    assert (outcome, has_body) == ("bug", False) and "pickle" in value.lower()
+    with pytest.raises(RuntimeError, match="raised running put_object"):
+        remote_client._result("put_object", outcome, value, None)
+    ours.close()
+    thread.join(5.0)
+    assert not thread.is_alive()  # (the channel closed: the loop ended)

@@ -91,7 +91,11 @@ def serve(channel, s3, request_deadline, errors: tuple[type, type]) -> None:
         except Exception:
             answer = ("bug", traceback.format_exc())
         try:
-            channel.send_bytes(pickle.dumps((*answer, body is not None)))
+            header = pickle.dumps((*answer, body is not None))
+        except Exception:  # (a reply that cannot be pickled: say so, do not go silent)
+            header, body = pickle.dumps(("bug", traceback.format_exc(), False)), None
+        try:
+            channel.send_bytes(header)
             if body is not None:
                 channel.send_bytes(body)
         except (OSError, ValueError):

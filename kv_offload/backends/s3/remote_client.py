@@ -13,7 +13,11 @@ and two socket writes (tens of microseconds) instead of botocore's ~4 ms.
   cleanly is closed, never reused, so a late reply can never answer the next request.
 - **Bounds**: the helper runs each request under the caller's deadline
   (`deadline.request_deadline`, else ``request_timeout_s``) with the tier's deadline
-  sockets; this side waits that long plus `GRACE_S` and then raises ``TimeoutError``.
+  sockets; this side waits that long plus `GRACE_S` and then raises ``TimeoutError``. A
+  helper that is alive but stopped (SIGSTOP, swapped out) reads nothing, so every socket
+  operation on this side is bounded too: the channel's ``SO_SNDTIMEO``/``SO_RCVTIMEO`` are
+  set to the same bound before each call, which covers the connect and the key handshake
+  of a new channel and a body larger than the socket's buffer.
 - **A helper that died** (killed, out of memory): calls fail with `HelperGone` (an
   ``OSError``: the tier counts a miss and opens an outage episode), and the next call at
   least `RESTART_INTERVAL_S` after the last start starts a new helper (logged).
@@ -31,13 +35,15 @@ import os
 import pickle
 import select
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import fields
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -77,7 +83,7 @@ class HelperClient:
     def __init__(self, config: S3TierConfig) -> None:
         self._config = config
         self._lock = threading.Lock()
-        self._free: list[Connection] = []
+        self._free: list[_Channel] = []
         self._process: subprocess.Popen | None = None
         self._started_at = 0.0
         self._closed = False
@@ -125,36 +131,43 @@ class HelperClient:
         deadline = current_deadline()
         timeout_s = (max(0.0, deadline - time.monotonic()) if deadline is not None
                      else self._config.request_timeout_s)
+        bound_s = timeout_s + GRACE_S
         body = kwargs.pop("Body", None)
-        channel = self._channel()
+        channel = None
         clean = False
         try:
-            channel.send_bytes(pickle.dumps((method, kwargs, timeout_s, body is not None)))
+            channel = self._channel(bound_s)
+            channel.bound(bound_s)
+            connection = channel.connection
+            connection.send_bytes(pickle.dumps((method, kwargs, timeout_s, body is not None)))
             if body is not None:
-                channel.send_bytes(body)
-            if not channel.poll(timeout_s + GRACE_S):
+                connection.send_bytes(body)
+            if not connection.poll(bound_s):
                 raise TimeoutError(f"the S3 helper process gave no reply to {method} within "
-                                   f"{timeout_s + GRACE_S:.1f} s")
-            outcome, value, has_body = pickle.loads(channel.recv_bytes())
-            if has_body and not channel.poll(GRACE_S):  # (sent right after the header)
+                                   f"{bound_s:.1f} s")
+            outcome, value, has_body = pickle.loads(connection.recv_bytes())
+            if has_body and not connection.poll(GRACE_S):  # (sent right after the header)
                 raise TimeoutError(f"the S3 helper process sent the reply to {method} "
                                    f"without its body within {GRACE_S:.1f} s")
-            reply_body = channel.recv_bytes() if has_body else None
+            reply_body = connection.recv_bytes() if has_body else None
             clean = True
         except (EOFError, OSError) as e:
             if isinstance(e, TimeoutError):
                 raise
+            if isinstance(e, BlockingIOError):  # (a socket operation ran past its bound)
+                raise TimeoutError(f"the S3 helper process took no bytes of {method} for "
+                                   f"{bound_s:.1f} s (stopped?)") from None
             raise HelperGone(f"the S3 helper process (pid {self.pid}) is gone: "
                              f"{type(e).__name__}: {e}") from None
         finally:
             if clean:
                 with self._lock:
                     self._free.append(channel)
-            else:
+            elif channel is not None:
                 channel.close()
         return _result(method, outcome, value, reply_body)
 
-    def _channel(self) -> Connection:
+    def _channel(self, bound_s: float) -> _Channel:
         with self._lock:
             if self._closed:
                 raise HelperGone("the S3 tier's helper process was stopped (tier closed)")
@@ -163,11 +176,7 @@ class HelperClient:
             if self._free:
                 return self._free.pop()
             address, authkey = self._address, self._authkey
-        try:
-            return Client(address, family="AF_UNIX", authkey=authkey)
-        except (OSError, EOFError) as e:
-            raise HelperGone(f"cannot reach the S3 helper process (pid {self.pid}): "
-                             f"{type(e).__name__}: {e}") from None
+        return _Channel.open(address, authkey, bound_s)
 
     def _restart_locked(self) -> None:
         since = time.monotonic() - self._started_at
@@ -217,6 +226,46 @@ class HelperClient:
                 f"kv-offload S3 tier: its helper process ({sys.executable} {HELPER}) {what}. "
                 f"Set storage_options.helper_process: false to run the requests in the "
                 f"engine's process instead")
+
+
+class _Channel:
+    """One authenticated channel to the helper, with its socket kept to bound each call."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.connection = Connection(os.dup(sock.fileno()))  # (the same socket)
+
+    @classmethod
+    def open(cls, address: str, authkey: bytes, bound_s: float) -> _Channel:
+        """Connect and run the key handshake, each wait bounded by ``bound_s``."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        channel = None
+        try:
+            channel = cls(sock)
+            channel.bound(bound_s)
+            sock.connect(address)
+            answer_challenge(channel.connection, authkey)  # (what multiprocessing's
+            deliver_challenge(channel.connection, authkey)  # Client() runs, bounded here)
+            return channel
+        except BaseException:
+            if channel is not None:
+                channel.close()
+            else:
+                sock.close()
+            raise
+
+    def bound(self, seconds: float) -> None:
+        """Fail any send or receive that waits ``seconds`` for the peer with EAGAIN (the
+        kernel's timeouts: they hold for the plain reads and writes `Connection` makes)."""
+        whole = int(seconds)
+        micros = max(int((seconds - whole) * 1e6), 0 if whole else 1)  # (0 s: no bound)
+        timeval = struct.pack("ll", whole, micros)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+    def close(self) -> None:
+        self.connection.close()
+        self.sock.close()
 
 
 def _result(method: str, outcome: str, value, body: bytes | None):
