@@ -99,6 +99,13 @@ def _count(name: str, value: Any) -> int:
     return value
 
 
+def _nice(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+        raise ConfigError(f"{name} must be an int from 0 to 19 (added to the engine's nice "
+                          f"value: higher runs later when the CPUs are busy), got {value!r}")
+    return value
+
+
 def _optional_count(name: str, value: Any) -> int | None:
     return None if value is None else _count(name, value)
 
@@ -118,4 +125,5 @@ def _bool(name: str, value: Any) -> bool:
 _KINDS: dict[str, Callable[[str, Any], Any]] = {
     "str": _str, "optional_str": _optional_str, "size": parse_size, "count": _count,
     "optional_count": _optional_count, "seconds": _seconds, "bool": _bool,
+    "nice": _nice,
 }

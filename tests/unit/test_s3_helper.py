@@ -239,3 +239,27 @@ def test_a_reply_the_helper_cannot_pickle_is_answered_as_its_error_not_silence()
     ours.close()
     thread.join(5.0)
     assert not thread.is_alive()  # (the channel closed: the loop ended)
+
+
+def test_helper_nice_lowers_the_helpers_priority_and_bad_values_are_refused(s3_server):
+    """The helper (and so every thread it starts) runs at the engine's nice value plus
+    `helper_nice`; 0 leaves it at the engine's; a value outside 0..19 is a ConfigError
+    naming the option."""
+    from kv_offload.errors import ConfigError
+
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for nice in (0, 7):
+        tier = make_tier(s3_server, helper_nice=nice)
+        try:
+            assert write(tier, [b"n"], [random_bytes(100, 1)]).ok  # (its threads are up)
+            pid = tier._s3.pid
+            tids = os.listdir(f"/proc/{pid}/task")
+            assert len(tids) > 1
+            assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids} == {
+                min(19, ours + nice)}
+        finally:
+            tier.close()
+    for bad in (-1, 20, True, "5"):
+        with pytest.raises(ConfigError, match="storage_options.helper_nice must be an int "
+                                              "from 0 to 19"):
+            make_tier(s3_server, helper_nice=bad)

@@ -38,6 +38,9 @@ class S3TierConfig:
                                                 "spent under the engine process's "
                                                 "interpreter lock (remote_client.py); "
                                                 "false: in the engine's process")
+    helper_nice: int = option("nice", 10, "added to the helper process's nice value (0 to "
+                                         "19): when the CPUs are busy, the engine's "
+                                         "threads run before botocore's")
     timeout_s: float = option("seconds", 5.0, "bound on each socket read")
     request_timeout_s: float = option("seconds", 15.0, "bound on one whole request (a PUT, "
                                                        "a GET, a listing request), however "

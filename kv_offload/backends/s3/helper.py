@@ -21,8 +21,8 @@ with the key the parent wrote on stdin, one request at a time per channel:
   (value: ``(response, operation_name)``), "botocore_error" (value: its text), "os_error"
   (value: ``(errno, text)``) or "bug" (value: the traceback).
 The parent's first stdin line holds the settings (JSON: the socket's path, the key, the
-client's options, the parent's ``sys.path``); stdin stays open as the lifeline: at its end
-(the parent closed it, or died) this process exits.
+client's options, the parent's ``sys.path``, ``helper_nice``); stdin stays open as the
+lifeline: at its end (the parent closed it, or died) this process exits.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def _exit_at_end_of_stdin() -> None:
 
 def main() -> None:
     settings = json.loads(sys.stdin.buffer.readline())
+    os.nice(settings["nice"])  # (first: every thread started below inherits it)
     sys.path[:] = settings["sys_path"]  # (the parent's: the same boto3 and botocore)
     _bare_packages()
     from multiprocessing.connection import Listener

@@ -204,6 +204,7 @@ class HelperClient:
         settings = {
             "address": self._address, "authkey": self._authkey.hex(),
             "sys_path": [p for p in sys.path if isinstance(p, str)],
+            "nice": self._config.helper_nice,
             "client": {f.name: getattr(self._config, f.name) for f in fields(self._config)
                        if f.name in CLIENT_OPTIONS}}
         process = subprocess.Popen([sys.executable, str(HELPER)], stdin=subprocess.PIPE,
