@@ -20,8 +20,8 @@ is counted in `faults`, and is logged once per episode.
 
 What the tiers hold is tracked in a `KeyView` (host events, the storage tier's change
 feed, our write-throughs and failed reads); `take_changes` drains it in bounded batches.
-
-Driven from one thread at a time (the connector's worker lock): submit jobs, then `poll`.
+Driven from one thread at a time (the connector's worker lock): submit jobs, then `poll`
+(`busy`: whether it has anything to advance; the pump reads it without the lock).
 """
 
 from __future__ import annotations
@@ -68,9 +68,8 @@ FILE_FORMAT_VERSION = 2  # bump when stored bytes or keys change meaning (joins 
 
 def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
     """A stable name for the page layout (plus e.g. model, TP size and rank in `extra`):
-    bytes stored under one fingerprint are never served to another. The file-format
-    version and every group's ordered layer names are part of it, so a change in
-    canonical ordering can never serve permuted pages as valid."""
+    bytes stored under one fingerprint are never served to another. The file-format version
+    and every group's ordered layer names are in it: permuted pages never pass as valid."""
     layers = [[ref.layer_name for ref in refs] for refs in canonical.group_refs]
     return xxhash.xxh3_64_hexdigest(
         repr((FILE_FORMAT_VERSION, canonical.layout_signature(), layers, extra)).encode())
@@ -254,6 +253,10 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         self._new_loads.append(load)
         return load.job_id
 
+    def busy(self) -> bool:
+        return bool(self._cpu_jobs or self._storage_jobs or self._staged or self._new_loads
+                    or self._staged_stores)
+
     def poll(self) -> list[TieredResult]:
         """Advance every job; return the results finished since the last call. Never raises."""
         self._guarded("load planning", self._plan_new_loads, None)
@@ -280,8 +283,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
     def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[TieredResult]:
         """Poll until these jobs finished; their results, in order (others stay queued for
         `poll`). For callers that can block (tools, tests); raises TimeoutError."""
-        wanted, found = set(job_ids), {}
-        deadline = time.monotonic() + timeout
+        wanted, found, deadline = set(job_ids), {}, time.monotonic() + timeout
         while wanted - found.keys():
             for result in self.poll():
                 if result.job_id in wanted:

@@ -9,6 +9,13 @@ From a forward's end (`forward_ended`: vLLM's `wait_for_save`, after the step's 
 it the lock and the GIL, but never for longer than `YIELD_TO_ENGINE_S` since its own last
 round, and not at all while a load is in flight (else an engine stepping without a forward,
 its request waiting for our load, would starve it).
+
+While nothing is in flight (`busy` false: no job of the worker's, nothing the store's `poll`
+advances) the pump sleeps `IDLE_INTERVAL_S` instead of `PUMP_INTERVAL_S`, and every
+submission wakes it. Why: a round takes the GIL and a core; 500 idle rounds a second cost a
+CPU engine's forward (on the cores its OpenMP threads share) 0.8 to 1.4 s of a 17 s cold
+prefill here, about 8% of its time to first token (`benchmarks/bench_ttft.py`'s
+cold_with_connector against cold_no_connector).
 """
 
 from __future__ import annotations
@@ -18,16 +25,18 @@ import time
 from collections.abc import Callable
 
 PUMP_INTERVAL_S = 0.002
+IDLE_INTERVAL_S = 0.05  # nothing in flight: a round only takes the tier's key changes
 YIELD_TO_ENGINE_S = 0.02  # the pump runs at least this often while vLLM schedules
 
 
 class Pump:
-    """One daemon thread calling `round_fn()` every `PUMP_INTERVAL_S` (or when woken),
-    except while it yields to the engine's scheduling."""
+    """One daemon thread calling `round_fn()` every `PUMP_INTERVAL_S` while `busy()` (else
+    every `IDLE_INTERVAL_S`) or when woken, except while it yields to the engine's
+    scheduling."""
 
     def __init__(self, round_fn: Callable[[], None], loads_in_flight: Callable[[], int],
-                 name: str) -> None:
-        self._round, self._loads_in_flight = round_fn, loads_in_flight
+                 busy: Callable[[], bool], name: str) -> None:
+        self._round, self._loads_in_flight, self._busy = round_fn, loads_in_flight, busy
         self._stop = threading.Event()
         self._wake = threading.Event()  # new work
         self._forward_ended: float | None = None  # the engine is between two forwards
@@ -62,7 +71,11 @@ class Pump:
         """Nothing can end this loop but `stop`: `round_fn` contains its own faults."""
         last_round = 0.0
         while not self._stop.is_set():
-            self._wake.wait(PUMP_INTERVAL_S)
+            try:  # (read without the worker's lock: a stale answer costs one interval,
+                busy = self._busy()  # and every submission wakes the pump anyway)
+            except Exception:  # (a fault is the round's to contain: just poll often)
+                busy = True
+            self._wake.wait(PUMP_INTERVAL_S if busy else IDLE_INTERVAL_S)
             self._wake.clear()
             now, ended = time.monotonic(), self._forward_ended
             if not self._loads_in_flight() and ended is not None and \

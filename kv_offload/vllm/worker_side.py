@@ -133,6 +133,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             copies = self._setup_layers([group.spec for group in groups])
             logger.info("kv-offload rank %d: %s; %s", self.rank, self.store.describe(), copies)
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
+                              lambda: bool(self._jobs) or self.store.busy(),
                               f"kv-offload-pump-{self.rank}")
             self._pump.start()
         at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
@@ -247,6 +248,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             except Exception as exc:  # skipped: nothing of this step reads engine memory
                 self.faults.failed("store submit", exc)
             self._stores_submitted = self._step
+        self._pump.wake()  # (it sleeps longer while idle)
 
     def finished_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose load ended since the last call, and those of them that failed
