@@ -38,7 +38,7 @@ class S3TierConfig:
                                                 "spent under the engine process's "
                                                 "interpreter lock (remote_client.py); "
                                                 "false: in the engine's process")
-    helper_nice: int = option("nice", 10, "added to the helper process's nice value (0 to "
+    helper_nice: int = option("nice", 0, "added to the helper process's nice value (0 to "
                                          "19): when the CPUs are busy, the engine's "
                                          "threads run before botocore's")
     timeout_s: float = option("seconds", 5.0, "bound on each socket read")
