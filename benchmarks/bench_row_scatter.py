@@ -18,7 +18,10 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
                       a C++ loop that TorchInductor generates and compiles here (a C++
                       compiler needed; skipped otherwise), on torch's own OpenMP threads;
                       compiled once before the timing (`compile_s`: how long that took)
-  copier              our `CpuCopier` moving the same plan (its plan built beforehand)
+  copier              our `CpuCopier` moving the same plan (its plan built beforehand), by
+                      the strategy its cost rule picks: the compiled row loop ("rows",
+                      kernels/_host_rows.c) where the install built it
+  copier_numpy        the same, forced to numpy's "scatter" (what it ran before that loop)
   job                 a whole load job through `CpuBackend` (planning included)
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
                       if there is one; skipped otherwise): what the memory system allows
@@ -250,6 +253,7 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             "index_put_c128_t": best_of(lambda: wide_engine.index_put_((ids_t,), wide_pool),
                                         repeats),
             "copier": best_of(lambda: copier.copy(plan), repeats),
+            "copier_numpy": best_of(lambda: copier.copy(plan, "scatter"), repeats),
             "job": best_of(job, repeats),
         }
         compiled = compiled_scatter(engine, pool, ids_t, repeats)

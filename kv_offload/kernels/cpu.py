@@ -1,10 +1,16 @@
 """CPU executor: moves a CopyPlan with a handful of large row-copy operations.
 
 For each segment (see geometry.py) the pairs become a few *ops*, by the
-cheapest of four strategies under a simple cost rule (calls x call overhead +
+cheapest of five strategies under a simple cost rule (calls x call overhead +
 rows x row overhead + bytes / rate):
 
 - runs:    one `copy_` per run where block ids and slot ids both advance by one;
+- rows:    one call of the compiled row loop (`_host_rows.c`) for every pair, in
+           the plan's order; past the last-level cache it writes with non-temporal
+           stores, as one large memcpy does (the reason the numpy and torch
+           strategies below reach about half a plain copy's rate on 2 KiB pages).
+           Offered where the package was built with a C compiler (`HOST_ROWS`)
+           and each block's part of a segment is contiguous bytes;
 - gather:  one `index_select(out=...)` per stretch of consecutive destinations
            (a row-wise memcpy straight into the destination);
 - scatter: one numpy `dst[ids] = src[run]` per stretch of consecutive sources;
@@ -26,6 +32,8 @@ nothing that copy reads or writes is reused before its last byte moved.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,15 +47,37 @@ from kv_offload.affinity import join_our_cpus
 from kv_offload.kernels.geometry import Segment
 from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, argsort_ids, stretches
 
+try:  # built by the install where a C compiler is found (pyproject.toml: ext-modules)
+    from kv_offload.kernels import _host_rows as HOST_ROWS
+except ImportError:  # pragma: no cover - depends on the install
+    HOST_ROWS = None  # (tests set it to None to run the numpy and torch strategies)
+
 # Cost rule, single-threaded: microseconds per call and per row, bytes per microsecond,
 # from timing each strategy on each access pattern (2-core EPYC); only ratios matter.
 CALL_US = 4.0
 ROW_US = 0.15
 COPY_RATE = 12000.0  # copy_, index_select and numpy scatter rows
 STAGED_RATE = 6000.0  # both passes of the staged copy
+LOOP_ROW_US = 0.02  # the compiled loop's cost per row (no Python, no temporaries)
 STAGE_BYTES = 1 << 20  # staging chunk: stays in L2
 MAX_THREADS = 4
 SPLIT_BYTES = 1 << 20  # smaller jobs run on one thread
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache of cpu0 (Linux sysfs), else `default`."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            text = f.read().strip()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+    return max(sizes, default=default)
+
+
+# Jobs this large write with non-temporal stores (the rows strategy): their bytes would not
+# stay cached anyway, and not reading each destination line first is the gain glibc's memcpy
+# has past its own threshold. Smaller ones stay in cache for the forward that reads them.
+STREAM_BYTES = last_level_cache_bytes()
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,24 +90,29 @@ class Op:
     src: int | np.ndarray
     dst: int | np.ndarray
     count: int
+    streaming: bool = False  # rows: write with non-temporal stores
 
     def part(self, a: int, b: int) -> Op:
         def cut(ids: int | np.ndarray) -> int | np.ndarray:
             return ids + a if isinstance(ids, int) else ids[a:b]
 
-        return Op(self.kind, self.src_view, self.dst_view, cut(self.src), cut(self.dst), b - a)
+        return Op(self.kind, self.src_view, self.dst_view, cut(self.src), cut(self.dst), b - a,
+                  self.streaming)
 
 
 def choose(plan: GroupPlan, row_bytes: int, src_rows: int,
-           only: str | None = None) -> tuple[str, list]:
+           only: str | None = None, loop: bool = False) -> tuple[str, list]:
     """The cheapest strategy for these pairs (or strategy `only`) and its row
     groups: (src, dst, count) with an int start or an id array on each side.
-    `src_rows` bounds the source ids."""
+    `src_rows` bounds the source ids; `loop`: the compiled row loop is offered."""
     n, total = plan.num_pairs, plan.num_pairs * row_bytes
     ideal = total / COPY_RATE  # moving the bytes, with no overhead at all
     costs = {"runs": _count_runs(plan) * CALL_US + ideal}
     by_src = None
-    if only or costs["runs"] > 1.05 * ideal:
+    if loop:  # (one call for every pair: whenever offered, cheaper than the three below)
+        costs["rows"] = CALL_US + n * LOOP_ROW_US + ideal
+    if only not in (None, "runs", "rows") or (
+            only is None and not loop and costs["runs"] > 1.05 * ideal):
         rows = n * ROW_US + ideal
         costs["gather"] = _count_stretches(plan.dst) * CALL_US + rows
         if only or costs["gather"] > 1.05 * rows:  # else the destination is one stretch
@@ -107,7 +142,7 @@ def _count_stretches(ids: np.ndarray) -> int:
 def _row_groups(name: str, plan: GroupPlan, by_src: np.ndarray | None) -> list:
     if name == "runs":
         return [(s, d, k) for s, d, k in plan.runs.tolist()]
-    if name == "staged":
+    if name in ("rows", "staged"):  # (rows: the loop fetches scattered sources ahead)
         return [(plan.src, plan.dst, plan.num_pairs)]
     if name == "gather":
         starts, lengths = stretches(plan.dst)
@@ -124,11 +159,12 @@ class CpuCopier:
     Thread-safe: a store and a load may run at once, each on its own pool."""
 
     def __init__(self, segments: list[list[Segment]], threads: int | None = None,
-                 split_bytes: int = SPLIT_BYTES) -> None:
+                 split_bytes: int = SPLIT_BYTES, stream_bytes: int = STREAM_BYTES) -> None:
         self._segments = segments
         self.threads = threads or max(1, min(MAX_THREADS, os.cpu_count() or 1,
                                              torch.get_num_threads()))
         self.split_bytes = split_bytes
+        self.stream_bytes = stream_bytes  # jobs this large: non-temporal stores (rows)
         self._pools: dict[Direction, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self.last_strategies: dict[Direction, tuple[str, ...]] = {}  # for benchmarks
@@ -151,12 +187,15 @@ class CpuCopier:
               cancelled: threading.Event | None = None) -> CopyRun:
         """Hand `plan`'s shares to the copy threads and return at once (see `copy`)."""
         ops = []
+        streaming = plan.num_bytes >= self.stream_bytes
         for group_plan in plan.groups:
             for segment in self._segments[group_plan.group]:
                 src, dst = ((segment.engine, segment.host) if plan.direction is Direction.STORE
                             else (segment.host, segment.engine))
-                name, groups = choose(group_plan, segment.block_bytes, src.shape[0], strategy)
-                ops += [Op(name, src, dst, s, d, k) for s, d, k in groups]
+                loop = HOST_ROWS is not None and _loop_fits(src) and _loop_fits(dst)
+                name, groups = choose(group_plan, segment.block_bytes, src.shape[0], strategy,
+                                      loop)
+                ops += [Op(name, src, dst, s, d, k, streaming) for s, d, k in groups]
         self.last_strategies[plan.direction] = tuple(sorted({op.kind for op in ops}))
         shares = _shares(ops, self.threads if plan.num_bytes >= self.split_bytes else 1)
         pool = self._pool(plan.direction)
@@ -273,6 +312,8 @@ def _run_ops(ops: list[Op], cancelled: threading.Event) -> None:
         src, dst = op.src_view, op.dst_view
         if op.kind == "runs":
             dst[op.dst:op.dst + op.count].copy_(src[op.src:op.src + op.count])
+        elif op.kind == "rows":
+            _loop_rows(op)
         elif op.kind == "gather":
             torch.index_select(src, 0, torch.from_numpy(op.src),
                                out=dst[op.dst:op.dst + op.count])
@@ -280,6 +321,29 @@ def _run_ops(ops: list[Op], cancelled: threading.Event) -> None:
             dst.numpy()[op.dst] = src[op.src:op.src + op.count].numpy()
         else:
             _staged(src, dst, op.src, op.dst)
+
+
+def _loop_fits(view: torch.Tensor) -> bool:
+    """Whether the compiled loop can move `view`'s rows: (rows, parts, bytes) with each
+    part contiguous (a segment's engine and host views always are, in every layout)."""
+    return view.dim() == 3 and (view.shape[2] <= 1 or view.stride(2) == 1)
+
+
+def _loop_rows(op: Op) -> None:
+    """One call of the compiled loop for the op's rows; the op holds both views and id
+    arrays alive while it runs without the GIL."""
+    size = op.src_view.element_size()
+    sides, arrays = [], []
+    for view, ids in ((op.dst_view, op.dst), (op.src_view, op.src)):
+        if isinstance(ids, int):
+            address, start = 0, ids
+        else:  # (plan ids are int64 already: no copy; a slice of them is contiguous)
+            arrays.append(np.ascontiguousarray(ids, dtype=np.int64))
+            address, start = arrays[-1].ctypes.data, 0
+        sides.append((view.data_ptr(), view.stride(0) * size, view.stride(1) * size, address,
+                      start))
+    HOST_ROWS.copy_rows(*sides[0], *sides[1], op.count, op.src_view.shape[1],
+                        op.src_view.shape[2] * size, op.streaming)
 
 
 def _staged(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,

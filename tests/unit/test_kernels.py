@@ -28,7 +28,7 @@ from kv_offload.testing.engine_alloc import (
 )
 from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example
 
-STRATEGIES = ["runs", "gather", "scatter", "staged"]
+STRATEGIES = ["runs", "rows", "gather", "scatter", "staged"]
 
 
 def randomize(tensor: torch.Tensor, seed: int) -> None:
@@ -71,7 +71,7 @@ def reference_load(canonical, pool: torch.Tensor, transfers, buffer: torch.Tenso
 
 
 def round_trip(kv_caches, groups, num_blocks, buffer, seed=0, strategy=None, blocks_per_group=3,
-               threads=None):
+               threads=None, streaming=False):
     """Store some blocks of every group, scribble, load them into other blocks;
     compare pool and whole engine buffer with the page-by-page reference."""
     rng = np.random.default_rng(seed)
@@ -82,8 +82,9 @@ def round_trip(kv_caches, groups, num_blocks, buffer, seed=0, strategy=None, blo
     randomize(pool, seed + 1)
     randomize(buffer, seed + 2)
     copier = BlockCopier(canonical, pool, layout)
-    if threads:  # split every job into shares, however small
-        copier._cpu = CpuCopier(copier.segments, threads=threads, split_bytes=0)
+    if threads or streaming:  # split every job into shares, however small; stream rows
+        copier._cpu = CpuCopier(copier.segments, threads=threads, split_bytes=0,
+                                stream_bytes=0 if streaming else 1 << 62)
     # A block id belongs to one group at a time: disjoint blocks per group, out of order.
     blocks = rng.permutation(num_blocks)[:len(groups) * blocks_per_group]
     slots = rng.permutation(num_slots)[:blocks.size]
@@ -127,10 +128,12 @@ def small_hybrid(layout: str, num_blocks: int):
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + ["rows, streaming"])
 def test_every_strategy_on_hybrid_padded_model(strategy, layout, threads):
     caches, groups, buffer = small_hybrid(layout, 12)
-    canonical = round_trip(caches, groups, 12, buffer, strategy=strategy, threads=threads)
+    streaming = strategy.endswith("streaming")
+    canonical = round_trip(caches, groups, 12, buffer, strategy=strategy.split(",")[0],
+                           threads=threads, streaming=streaming)
     assert any(r.slot_bytes > r.page_size_bytes for refs in canonical.group_refs for r in refs)
 
 
