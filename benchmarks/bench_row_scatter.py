@@ -23,6 +23,7 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
                       kernels/_host_rows.c) where the install built it
   copier_numpy        the same, forced to numpy's "scatter" (what it ran before that loop)
   job                 a whole load job through `CpuBackend` (planning included)
+  job_numpy           the same without the compiled loop (numpy and torch strategies)
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
                       if there is one; skipped otherwise): what the memory system allows
                       without an interpreter in the way
@@ -207,6 +208,7 @@ def compiled_scatter(engine: torch.Tensor, pool: torch.Tensor, ids: torch.Tensor
 def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
     from kv_offload.backends.cpu import CpuBackend
     from kv_offload.canonical import canonicalize
+    from kv_offload.kernels import cpu as cpu_kernels
     from kv_offload.tools.bench_cpu import fill_pattern, synthetic_model
     from kv_offload.transfer import Direction
 
@@ -239,6 +241,13 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             (result,) = backend.wait([backend.submit_load(loads)])
             assert result.success
 
+        def job_numpy() -> None:  # (the cost rule without the compiled loop on offer)
+            loop, cpu_kernels.HOST_ROWS = cpu_kernels.HOST_ROWS, None
+            try:
+                job()
+            finally:
+                cpu_kernels.HOST_ROWS = loop
+
         ids_t = torch.from_numpy(ids)
         wide_engine, wide_pool = engine.view(torch.complex128), pool.view(torch.complex128)
         plain = best_of(lambda: engine.view(-1)[:n * PAGE].copy_(pool.view(-1)), repeats)
@@ -255,6 +264,7 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             "copier": best_of(lambda: copier.copy(plan), repeats),
             "copier_numpy": best_of(lambda: copier.copy(plan, "scatter"), repeats),
             "job": best_of(job, repeats),
+            "job_numpy": best_of(job_numpy, repeats),
         }
         compiled = compiled_scatter(engine, pool, ids_t, repeats)
         if compiled:

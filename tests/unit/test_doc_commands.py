@@ -39,7 +39,7 @@ from doc_blocks import (
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.valkey.config import ValkeyTierConfig
-from kv_offload.config import OffloadConfig, parse_config
+from kv_offload.config import OffloadConfig, parse_config, parse_size
 from kv_offload.tools.cli import build_parser
 
 BLOCKS = all_blocks()
@@ -223,3 +223,40 @@ def test_the_serving_page_documents_every_connector_configuration_key():
 def test_the_tiers_page_documents_every_storage_option_of_each_tier(config, heading):
     declared = {f.name for f in dataclasses.fields(config) if "kind" in f.metadata}
     assert _documented_keys("tiers.md", heading) == declared
+
+
+def _documented_literal(value) -> str:
+    """How the tiers page writes a default: JSON's booleans, quoted strings, Python numbers."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+@pytest.mark.parametrize("config, heading", [
+    (FilesystemTierConfig, "### Filesystem options"),
+    (ValkeyTierConfig, "### Valkey/Redis options"),
+    (S3TierConfig, "### S3 options"),
+])
+def test_the_tiers_page_gives_each_storage_option_its_real_default(config, heading):
+    # (the page once said 0 while the code said 10: only the names were checked then)
+    fields = {f.name: f for f in dataclasses.fields(config) if "kind" in f.metadata}
+    text = (REPO / "docs" / "tiers.md").read_text()
+    section = text[text.index(heading):]
+    table = re.search(r"\n(\|.*\|\n)+", section).group(0)
+    checked = 0
+    for row in table.strip().split("\n")[2:]:
+        cells = row.split("|")
+        names = re.findall(r"`([a-z_]+)`", cells[1])
+        shown = re.findall(r"`([^`]+)`", cells[2])  # ("`5.0` / `2.0`": one per name)
+        for i, name in enumerate(names):
+            default = fields[name].default
+            if default is dataclasses.MISSING:
+                assert cells[2].strip() == "required", (name, cells[2])
+            elif default is None:  # (the page says what unset means: "AWS", "none", ...)
+                continue
+            elif fields[name].metadata["kind"] == "size":
+                assert parse_size(name, shown[i]) == default, (name, cells[2], default)
+            else:
+                assert shown[i] == _documented_literal(default), (name, cells[2], default)
+            checked += 1
+    assert checked >= 6
