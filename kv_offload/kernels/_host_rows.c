@@ -36,8 +36,8 @@
 #define HAVE_STREAMING 0
 #endif
 
-/* Rows whose source lines are requested ahead of the copy: the pairs come in destination
- * order, so their sources are scattered and each row would otherwise wait for memory. */
+/* Rows whose source lines are requested ahead of the copy: where the sources are scattered
+ * (pairs by id on both sides), each row would otherwise wait for memory. */
 #define AHEAD 4
 #define PREFETCH_BYTES 4096 /* of each part: the hardware prefetcher streams the rest */
 

@@ -103,7 +103,7 @@ def test_a_copier_moves_scattered_pairs_with_or_without_the_loop(monkeypatch, lo
     copier.close()
 
 
-def test_the_streaming_threshold_is_the_largest_cache(tmp_path, monkeypatch):
+def test_the_streaming_threshold_is_the_largest_cache():
     sizes = last_level_cache_bytes(default=7)
     assert sizes == 7 or sizes >= 1 << 16  # (a real machine's largest cache, or the default)
     assert last_level_cache_bytes() == cpu_kernels.STREAM_BYTES
