@@ -199,13 +199,18 @@ def test_every_json_block_parses_and_a_connector_config_passes_parse_config(bloc
         parse_config({"cpu_bytes_to_use": "1GiB", **document})  # checks connect nowhere
 
 
-def _documented_keys(page: str, heading: str) -> set[str]:
-    """The first-column `names` of the table under `heading` on `page`."""
+def _table_rows(page: str, heading: str) -> list[list[str]]:
+    """The cells of each body row of the first table under `heading` on `page`."""
     text = (REPO / "docs" / page).read_text()
     section = text[text.index(heading):]
     table = re.search(r"\n(\|.*\|\n)+", section).group(0)
-    return {name for row in table.strip().split("\n")[2:]
-            for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    return [row.split("|") for row in table.strip().split("\n")[2:]]
+
+
+def _documented_keys(page: str, heading: str) -> set[str]:
+    """The first-column `names` of the table under `heading` on `page`."""
+    return {name for cells in _table_rows(page, heading)
+            for name in re.findall(r"`([a-z_]+)`", cells[1])}
 
 
 def test_the_serving_page_documents_every_connector_configuration_key():
@@ -240,12 +245,8 @@ def _documented_literal(value) -> str:
 def test_the_tiers_page_gives_each_storage_option_its_real_default(config, heading):
     # (the page once said 0 while the code said 10: only the names were checked then)
     fields = {f.name: f for f in dataclasses.fields(config) if "kind" in f.metadata}
-    text = (REPO / "docs" / "tiers.md").read_text()
-    section = text[text.index(heading):]
-    table = re.search(r"\n(\|.*\|\n)+", section).group(0)
     checked = 0
-    for row in table.strip().split("\n")[2:]:
-        cells = row.split("|")
+    for cells in _table_rows("tiers.md", heading):
         names = re.findall(r"`([a-z_]+)`", cells[1])
         shown = re.findall(r"`([^`]+)`", cells[2])  # ("`5.0` / `2.0`": one per name)
         for i, name in enumerate(names):
