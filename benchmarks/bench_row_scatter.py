@@ -23,7 +23,11 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
                       kernels/_host_rows.c) where the install built it
   copier_numpy        the same, forced to numpy's "scatter" (what it ran before that loop)
   job                 a whole load job through `CpuBackend` (planning included)
-  job_numpy           the same without the compiled loop (numpy and torch strategies)
+  job_numpy           the same without the compiled module (numpy and torch strategies,
+                      numpy's sort for planning)
+  plan_ms /           milliseconds (not a ratio) to plan that load job: check the pairs,
+  plan_numpy_ms       sort them by engine block (the compiled radix sort, `order_ids`, or
+                      numpy's) and map slots to pool rows
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
                       if there is one; skipped otherwise): what the memory system allows
                       without an interpreter in the way
@@ -209,6 +213,7 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
     from kv_offload.backends.cpu import CpuBackend
     from kv_offload.canonical import canonicalize
     from kv_offload.kernels import cpu as cpu_kernels
+    from kv_offload.kernels import plan as plan_kernels
     from kv_offload.tools.bench_cpu import fill_pattern, synthetic_model
     from kv_offload.transfer import Direction
 
@@ -241,12 +246,19 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             (result,) = backend.wait([backend.submit_load(loads)])
             assert result.success
 
-        def job_numpy() -> None:  # (the cost rule without the compiled loop on offer)
-            loop, cpu_kernels.HOST_ROWS = cpu_kernels.HOST_ROWS, None
-            try:
-                job()
-            finally:
-                cpu_kernels.HOST_ROWS = loop
+        def without_module(fn):  # (the copier's cost rule and the planning sort)
+            def run() -> None:
+                module = cpu_kernels.HOST_ROWS
+                cpu_kernels.HOST_ROWS = plan_kernels.HOST_ROWS = None
+                try:
+                    fn()
+                finally:
+                    cpu_kernels.HOST_ROWS = plan_kernels.HOST_ROWS = module
+            return run
+
+        def planning() -> None:
+            backend.slot_map.physical(backend.copier.plan(Direction("load"), loads),
+                                      model.num_blocks)
 
         ids_t = torch.from_numpy(ids)
         wide_engine, wide_pool = engine.view(torch.complex128), pool.view(torch.complex128)
@@ -264,14 +276,17 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
             "copier": best_of(lambda: copier.copy(plan), repeats),
             "copier_numpy": best_of(lambda: copier.copy(plan, "scatter"), repeats),
             "job": best_of(job, repeats),
-            "job_numpy": best_of(job_numpy, repeats),
+            "job_numpy": best_of(without_module(job), repeats),
         }
+        milliseconds = {"plan_ms": best_of(planning, repeats) * 1e3,
+                        "plan_numpy_ms": best_of(without_module(planning), repeats) * 1e3}
         compiled = compiled_scatter(engine, pool, ids_t, repeats)
         if compiled:
             figures["compiled_t"] = compiled["compiled_t"]
         ratios = {name: plain / t for name, t in figures.items()}
         if compiled:
             ratios["compile_s"] = compiled["compile_s"]
+        ratios.update(milliseconds)
         ratios["plain_gbps"] = n * PAGE / plain / 1e9
         ratios.update(huge_page_scatter(engine_np, pool_np, ids, repeats))
         for threads in (1, 2):

@@ -1,4 +1,5 @@
-/* Row copies between host tensors, compiled: the CPU copier's one loop (kernels/cpu.py).
+/* Row copies between host tensors, compiled: the CPU copier's one loop (kernels/cpu.py),
+ * and the stable order of row ids that plans them (kernels/plan.py).
  *
  * copy_rows(dst, dst_stride, dst_part_stride, dst_ids, dst_start,
  *           src, src_stride, src_part_stride, src_ids, src_start,
@@ -27,6 +28,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__SSE2__)
@@ -36,8 +38,9 @@
 #define HAVE_STREAMING 0
 #endif
 
-/* Rows whose source lines are requested ahead of the copy: where the sources are scattered
- * (pairs by id on both sides), each row would otherwise wait for memory. */
+/* Rows whose source lines are requested ahead of the copy: the copier hands the pairs over
+ * in destination order, so a load's sources (pool rows) are scattered, and each row would
+ * otherwise wait for memory. */
 #define AHEAD 4
 #define PREFETCH_BYTES 4096 /* of each part: the hardware prefetcher streams the rest */
 
@@ -100,6 +103,112 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* order_ids(ids, count, limit, order) -> bool
+ *
+ * The stable ascending order of `count` int64 ids in [0, limit) (both addresses of int64
+ * arrays): False, with `order` untouched, when the ids are in order already; else True,
+ * with `order` filled. A least-significant-digit radix sort on 11-bit digits: one pass
+ * reads the ids and counts every digit, then each digit is a pass that moves (id,
+ * position) pairs to their buckets. The 2048 counts of a digit stay in L1, where a
+ * counting sort over [0, limit) would miss the cache at every id (an array the size of
+ * the cache's block count; numpy's counting sort does that, 3 times slower for 128k ids
+ * in a job's planning). O(count) for any limit up to 2**32 (at most 3 passes). An id out of range is a
+ * ValueError naming it: this file must never write outside `order`. */
+
+#define DIGIT_BITS 11
+#define DIGITS (1 << DIGIT_BITS)
+#define MAX_PASSES 3
+
+static PyObject *order_ids(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long ids_address, order_address;
+    long long count, limit;
+    if (!PyArg_ParseTuple(args, "KLLK", &ids_address, &count, &limit, &order_address))
+        return NULL;
+    if (count < 0 || count > 0xFFFFFFFFLL || limit < 0 || limit > (1LL << 32)) {
+        PyErr_Format(PyExc_ValueError, "order_ids: count %lld must be in [0, 2**32) and "
+                     "limit %lld in [0, 2**32]", count, limit);
+        return NULL;
+    }
+    const int64_t *ids = (const int64_t *)(uintptr_t)ids_address;
+    int64_t *order = (int64_t *)(uintptr_t)order_address;
+    int passes = 1;
+    while (passes < MAX_PASSES && (1LL << (DIGIT_BITS * passes)) < limit)
+        passes++;
+    uint32_t counts[MAX_PASSES][DIGITS]; /* 24 KiB: on the stack, in L1 */
+    long long bad = -1;
+    int sorted = 1, no_memory = 0;
+    Py_BEGIN_ALLOW_THREADS
+    memset(counts, 0, sizeof(counts));
+    for (long long i = 0; i < count; i++) {
+        int64_t id = ids[i];
+        if (id < 0 || id >= limit) {
+            bad = i;
+            break;
+        }
+        if (i && id < ids[i - 1])
+            sorted = 0;
+        counts[0][id & (DIGITS - 1)]++; /* (every digit, also past `passes`: no branch) */
+        counts[1][(id >> DIGIT_BITS) & (DIGITS - 1)]++;
+        counts[2][(id >> (2 * DIGIT_BITS)) & (DIGITS - 1)]++;
+    }
+    /* (key, position) pairs between passes: two buffers of both, 16 bytes an id */
+    uint32_t *pairs = NULL;
+    if (bad < 0 && !sorted && passes > 1) {
+        pairs = malloc((size_t)count * 4 * sizeof(uint32_t));
+        no_memory = pairs == NULL;
+    }
+    if (bad < 0 && !sorted && !no_memory) {
+        uint32_t *keys = pairs, *at = pairs ? pairs + count : NULL; /* pass p's output */
+        for (int p = 0; p < passes; p++) {
+            uint32_t *to = counts[p], next = 0; /* counts -> where each digit's first goes */
+            for (int d = 0; d < DIGITS; d++) {
+                uint32_t c = to[d];
+                to[d] = next;
+                next += c;
+            }
+            int shift = DIGIT_BITS * p;
+            uint32_t *keys_in = keys, *at_in = at; /* (pass p - 1's output) */
+            if (p) {
+                keys = pairs + (size_t)count * 2 * (p & 1);
+                at = keys + count;
+            }
+            /* (four loops, not one with branches inside: half the time of the general one) */
+            if (p == 0 && passes == 1) {
+                for (long long i = 0; i < count; i++)
+                    order[to[ids[i] & (DIGITS - 1)]++] = i;
+            } else if (p == 0) {
+                for (long long i = 0; i < count; i++) {
+                    uint32_t j = to[ids[i] & (DIGITS - 1)]++;
+                    keys[j] = (uint32_t)ids[i];
+                    at[j] = (uint32_t)i;
+                }
+            } else if (p == passes - 1) {
+                for (long long i = 0; i < count; i++)
+                    order[to[(keys_in[i] >> shift) & (DIGITS - 1)]++] = at_in[i];
+            } else {
+                for (long long i = 0; i < count; i++) {
+                    uint32_t j = to[(keys_in[i] >> shift) & (DIGITS - 1)]++;
+                    keys[j] = keys_in[i];
+                    at[j] = at_in[i];
+                }
+            }
+        }
+    }
+    free(pairs);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "order_ids: id %lld at position %lld is out of range; "
+                     "expected 0 <= id < %lld", (long long)ids[bad], bad, limit);
+        return NULL;
+    }
+    if (no_memory)
+        return PyErr_NoMemory();
+    if (sorted)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 static PyObject *has_streaming(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -111,13 +220,16 @@ static PyMethodDef methods[] = {
      "copy_rows(dst, dst_stride, dst_part_stride, dst_ids, dst_start, src, src_stride, "
      "src_part_stride, src_ids, src_start, count, parts, part_bytes, streaming): move "
      "`count` rows (see the file's comment)."},
+    {"order_ids", order_ids, METH_VARARGS,
+     "order_ids(ids, count, limit, order) -> bool: the stable order of int64 ids in "
+     "[0, limit) written to `order`, or False if they are in order (see the file)."},
     {"has_streaming", has_streaming, METH_NOARGS,
      "Whether this build writes streaming rows with non-temporal stores (x86-64)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_host_rows", "Compiled row copies for the CPU copier.", -1,
+    PyModuleDef_HEAD_INIT, "_host_rows", "Compiled row copies and row-id sorting for the CPU copier.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -6,7 +6,7 @@ rows x row overhead + bytes / rate):
 
 - runs:    one `copy_` per run where block ids and slot ids both advance by one;
 - rows:    one call of the compiled row loop (`_host_rows.c`) for every pair, in
-           source order; past the last-level cache it writes with non-temporal
+           the plan's order (by destination); past the last-level cache it writes with non-temporal
            stores, as one large memcpy does (the reason the numpy and torch
            strategies below reach about half a plain copy's rate on 2 KiB pages).
            Offered where the package was built with a C compiler (`HOST_ROWS`)
@@ -45,12 +45,14 @@ import torch
 
 from kv_offload.affinity import join_our_cpus
 from kv_offload.kernels.geometry import Segment
-from kv_offload.kernels.plan import CopyPlan, Direction, GroupPlan, argsort_ids, stretches
-
-try:  # built by the install where a C compiler is found (pyproject.toml: ext-modules)
-    from kv_offload.kernels import _host_rows as HOST_ROWS
-except ImportError:  # pragma: no cover - depends on the install
-    HOST_ROWS = None  # (tests set it to None to run the numpy and torch strategies)
+from kv_offload.kernels.plan import (  # (HOST_ROWS: the compiled module, or None)
+    HOST_ROWS,
+    CopyPlan,
+    Direction,
+    GroupPlan,
+    argsort_ids,
+    stretches,
+)
 
 # Cost rule, single-threaded: microseconds per call and per row, bytes per microsecond,
 # from timing each strategy on each access pattern (2-core EPYC); only ratios matter.

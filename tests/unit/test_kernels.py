@@ -18,6 +18,7 @@ from kv_offload import (
 )
 from kv_offload.errors import TransferError
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout, copy_blocks
+from kv_offload.kernels import plan as plan_kernels
 from kv_offload.kernels.cpu import CpuCopier, Op, _shares
 from kv_offload.kernels.plan import argsort_ids
 from kv_offload.testing.engine_alloc import (
@@ -239,13 +240,42 @@ def test_shares_cover_every_row_once(counts, parts):
         assert max(weights) - min(weights) <= 2 * 3 or len(shares) < parts
 
 
-@settings(max_examples=80, deadline=None)
-@given(ids=st.lists(st.integers(0, 40), max_size=30), spare=st.integers(0, 300))
-def test_argsort_ids_is_a_stable_argsort(ids, spare):
+@pytest.mark.parametrize("sort", ["compiled", "numpy"])
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), bits=st.sampled_from([1, 5, 11, 12, 22, 23, 32]))
+def test_argsort_ids_is_a_stable_argsort_for_any_limit(sort, data, bits):
+    # (limits of 1 to 3 radix digits of 11 bits; repeats test stability; a sorted list is
+    # None; the numpy path takes both its counting and its comparison branch)
+    limit = data.draw(st.integers(1, 2 ** bits))
+    ids = data.draw(st.lists(st.integers(0, limit - 1), max_size=60)
+                    | st.lists(st.sampled_from([0, limit - 1, limit // 2]), max_size=60))
     array = np.array(ids, dtype=np.int64)
-    order = argsort_ids(array, 41 + spare)
-    order = np.arange(array.size) if order is None else order
-    assert np.array_equal(order, np.argsort(array, kind="stable"))
+    module = plan_kernels.HOST_ROWS
+    if sort == "compiled" and module is None:
+        pytest.skip("the compiled module is not built (see test_host_rows.py)")
+    plan_kernels.HOST_ROWS = module if sort == "compiled" else None
+    try:
+        order = argsort_ids(array, limit)
+    finally:
+        plan_kernels.HOST_ROWS = module
+    expected = np.argsort(array, kind="stable")
+    if np.array_equal(expected, np.arange(array.size)):
+        assert order is None
+    else:
+        assert order is not None and np.array_equal(order, expected)
+
+
+def test_the_compiled_sort_refuses_an_id_out_of_range_by_name():
+    if plan_kernels.HOST_ROWS is None:
+        pytest.skip("the compiled module is not built (see test_host_rows.py)")
+    ids = np.array([3, 1, 7, 0], dtype=np.int64)
+    order = np.full(4, -1, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"id 7 at position 2 is out of range; expected "
+                                         r"0 <= id < 7"):
+        plan_kernels.HOST_ROWS.order_ids(ids.ctypes.data, 4, 7, order.ctypes.data)
+    assert (order == -1).all()  # (nothing written)
+    with pytest.raises(ValueError, match="limit"):
+        plan_kernels.HOST_ROWS.order_ids(ids.ctypes.data, 4, 2 ** 32 + 1, order.ctypes.data)
 
 
 def test_copy_threads_leave_torch_threading_alone():
