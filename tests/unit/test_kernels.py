@@ -265,6 +265,23 @@ def test_argsort_ids_is_a_stable_argsort_for_any_limit(sort, data, bits):
         assert order is not None and np.array_equal(order, expected)
 
 
+@pytest.mark.parametrize("limit", [2 ** 11, 2 ** 22, 2 ** 32])
+def test_the_compiled_sort_orders_large_arrays_over_every_digit(limit):
+    # (one, two and three radix passes, over ids that differ in every digit, with repeats)
+    if plan_kernels.HOST_ROWS is None:
+        pytest.skip("the compiled module is not built (see test_host_rows.py)")
+    rng = np.random.default_rng(limit)
+    ids = rng.integers(0, limit, 50_000, dtype=np.int64)
+    ids[::7] = ids[3]
+    order = np.empty(ids.size, dtype=np.int64)
+    assert plan_kernels.HOST_ROWS.order_ids(ids.ctypes.data, ids.size, limit,
+                                            order.ctypes.data)
+    assert np.array_equal(order, np.argsort(ids, kind="stable"))
+    ids.sort()
+    assert not plan_kernels.HOST_ROWS.order_ids(ids.ctypes.data, ids.size, limit,
+                                                order.ctypes.data)
+
+
 def test_the_compiled_sort_refuses_an_id_out_of_range_by_name():
     if plan_kernels.HOST_ROWS is None:
         pytest.skip("the compiled module is not built (see test_host_rows.py)")
