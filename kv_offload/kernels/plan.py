@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - depends on the install
     HOST_ROWS = None  # (tests set it to None to run the numpy path)
 
 IdsLike = Sequence[int] | np.ndarray | torch.Tensor
+RADIX_MIN_IDS = 1024  # (benchmarks/bench_plan_sort.py: from here on the radix sort wins)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ def argsort_ids(ids: np.ndarray, limit: int) -> np.ndarray | None:
     counting: tens of microseconds for thousands of ids, where comparison sorting takes
     hundreds. Others go to the compiled radix sort where the package was built with a C
     compiler (`_host_rows.order_ids`: linear for any limit up to 2**32; 128k ids below
-    4M: 1.2 ms), else to numpy's comparison sort (12 ms for those)."""
+    4M: 1.2 ms), else to numpy's comparison sort (12 ms for those; a few microseconds
+    faster below `RADIX_MIN_IDS`, where the radix sort's fixed cost dominates)."""
     if ids.size < 2 or not (ids[1:] < ids[:-1]).any():
         return None
     if limit <= 8 * ids.size:
@@ -171,7 +173,7 @@ def argsort_ids(ids: np.ndarray, limit: int) -> np.ndarray | None:
         present = np.flatnonzero(position >= 0)
         if present.size == ids.size:  # no id repeats: this is the whole order
             return position[present]
-    if HOST_ROWS is not None and limit <= 1 << 32:
+    if HOST_ROWS is not None and ids.size >= RADIX_MIN_IDS and limit <= 1 << 32:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         order = np.empty(ids.size, dtype=np.int64)
         HOST_ROWS.order_ids(ids.ctypes.data, ids.size, limit, order.ctypes.data)

@@ -253,11 +253,13 @@ def test_argsort_ids_is_a_stable_argsort_for_any_limit(sort, data, bits):
     module = plan_kernels.HOST_ROWS
     if sort == "compiled" and module is None:
         pytest.skip("the compiled module is not built (see test_host_rows.py)")
+    saved = plan_kernels.HOST_ROWS, plan_kernels.RADIX_MIN_IDS
     plan_kernels.HOST_ROWS = module if sort == "compiled" else None
+    plan_kernels.RADIX_MIN_IDS = 0  # (lists this short reach the compiled sort too)
     try:
         order = argsort_ids(array, limit)
     finally:
-        plan_kernels.HOST_ROWS = module
+        plan_kernels.HOST_ROWS, plan_kernels.RADIX_MIN_IDS = saved
     expected = np.argsort(array, kind="stable")
     if np.array_equal(expected, np.arange(array.size)):
         assert order is None
