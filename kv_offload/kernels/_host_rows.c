@@ -104,23 +104,11 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* order_ids(ids, count, limit, order) -> bool
- *
- * The stable ascending order of `count` int64 ids in [0, limit) (both addresses of int64
- * arrays): False, with `order` untouched, when the ids are in order already; else True,
- * with `order` filled. A least-significant-digit radix sort on 11-bit digits: one pass
- * reads the ids and counts every digit, then each digit is a pass that moves (id,
- * position) pairs to their buckets. The 2048 counts of a digit stay in L1, where a
- * counting sort over [0, limit) would miss the cache at every id (an array the size of
- * the cache's block count; numpy's counting sort does that, 3 times slower for 128k ids
- * in a job's planning). O(count) for any limit up to 2**32 (at most 3 passes). An id out of range is a
- * ValueError naming it: this file must never write outside `order`. */
-
 /* A buffer of at least `nbytes` for the calling thread, kept between its calls and freed
  * when the thread ends. Fresh memory costs a page fault per 4 KiB at first touch, and glibc
- * gives a freed buffer of this size back to the kernel: a planning sort that allocated
- * its own took 771 faults a call and ran slower than numpy's. It grows to 8 bytes per id
- * of the largest job the thread has planned (1 MiB for 128k pairs). */
+ * gives a freed buffer of this size back to the kernel: a version of the sort below that
+ * allocated its own each call took 771 page faults a call. It grows to 8 bytes per id of
+ * the largest job the thread has sorted (1 MiB for 128k ids). */
 typedef struct {
     size_t capacity;
     void *data;
@@ -154,6 +142,18 @@ static void *scratch(size_t nbytes) {
     return s->data;
 }
 
+/* order_ids(ids, count, limit, order) -> bool
+ *
+ * The stable ascending order of `count` int64 ids in [0, limit) (both addresses of int64
+ * arrays): False, with `order` untouched, when the ids are in order already; else True,
+ * with `order` filled. A least-significant-digit radix sort on 11-bit digits: one pass
+ * reads the ids and counts every digit, then each digit is a pass that moves (id,
+ * position) pairs to their buckets, whose 2048 counts stay in L1. O(count) for any limit
+ * up to 2**32 (at most 3 passes). The caller (plan.py: argsort_ids) sends it the ids that
+ * numpy cannot place by counting: spread over a range much larger than their number, or
+ * repeated; there numpy sorts by comparison, about 10 times slower for 128k ids
+ * (benchmarks/bench_plan_sort.py). An id out of range is a ValueError naming it: this
+ * file must never write outside `order`. */
 #define DIGIT_BITS 11
 #define DIGITS (1 << DIGIT_BITS)
 #define MAX_PASSES 3
