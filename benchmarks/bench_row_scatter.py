@@ -26,8 +26,9 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
   job_numpy           the same without the compiled module (numpy and torch strategies,
                       numpy's sort for planning)
   plan_ms /           milliseconds (not a ratio) to plan that load job: check the pairs,
-  plan_numpy_ms       sort them by engine block (the compiled radix sort, `order_ids`, or
-                      numpy's) and map slots to pool rows
+  plan_numpy_ms       sort them by engine block and map slots to pool rows; these ids are
+                      dense, so numpy's counting sorts them either way, and the compiled
+                      sort (`order_ids`, for sparse or repeated ids) is not reached
   c_1 / c_2           a memcpy per row in C on 1 and 2 pthreads (compiled here with `cc`
                       if there is one; skipped otherwise): what the memory system allows
                       without an interpreter in the way

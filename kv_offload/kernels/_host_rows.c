@@ -259,8 +259,9 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_host_rows", "Compiled row copies and row-id sorting for the CPU copier.", -1,
-    methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_host_rows",
+    "Compiled row copies and row-id sorting for the CPU copier.", -1, methods, NULL, NULL,
+    NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__host_rows(void) { return PyModule_Create(&module); }

@@ -6,9 +6,10 @@ rows x row overhead + bytes / rate):
 
 - runs:    one `copy_` per run where block ids and slot ids both advance by one;
 - rows:    one call of the compiled row loop (`_host_rows.c`) for every pair, in
-           the plan's order (by destination); past the last-level cache it writes with non-temporal
-           stores, as one large memcpy does (the reason the numpy and torch
-           strategies below reach about half a plain copy's rate on 2 KiB pages).
+           the plan's order (by destination); past the last-level cache it writes
+           with non-temporal stores, as one large memcpy does (the reason the numpy
+           and torch strategies below reach about half a plain copy's rate on 2 KiB
+           pages).
            Offered where the package was built with a C compiler (`HOST_ROWS`)
            and each block's part of a segment is contiguous bytes;
 - gather:  one `index_select(out=...)` per stretch of consecutive destinations
