@@ -37,8 +37,9 @@ class OffloadConfig:
     """Disk budget in bytes; required when fs_root_dir is set."""
     block_size: int | None = None
     """Tokens per offloaded block: unset, or the engine block size (no other value is served)."""
-    eviction_policy: str = "lru"
-    """'lru', 'arc', or 'package.module:ClassName' for a custom policy."""
+    eviction_policy: str = "slru"
+    """Host tier eviction: 'slru' (segmented LRU: keys that served a hit outlive keys stored
+    once), 'lru', 'arc', or 'package.module:ClassName' for a custom policy."""
     fs_fsync: bool = False
     """fsync files and their directory after each write (durable across power loss)."""
     storage_tier: str | None = None

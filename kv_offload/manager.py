@@ -70,19 +70,20 @@ class OffloadEvent:
 
 
 class _Entry:
-    __slots__ = ("slot", "ready", "pins", "dropped")
+    __slots__ = ("slot", "ready", "pins", "dropped", "touched")
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
         self.ready = False
         self.pins = 0
         self.dropped = False  # invalidated by reset(); freed once its I/O ends
+        self.touched = False  # hit while STORING: the policy hears it once it is READY
 
 
 class OffloadManager:
     """Slots of one tier and the keys in them."""
 
-    def __init__(self, num_slots: int, policy: str | EvictionPolicy = "lru", *,
+    def __init__(self, num_slots: int, policy: str | EvictionPolicy = "slru", *,
                  tier: str = "cpu", record_events: bool = True) -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots <= 0:
             raise OffloadStateError(f"num_slots must be a positive int, got {num_slots!r}")
@@ -172,12 +173,16 @@ class OffloadManager:
                     self._num_evictable += 1
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        """Record a hit on keys (recency for the policy); keys that are not READY
-        are ignored."""
+        """Record a hit on keys, in order (the last is the most valuable). A STORING key
+        is touched when its store completes; absent keys are ignored."""
         for key in keys:
             entry = self._entries.get(key)
-            if entry is not None and entry.ready and not entry.dropped:
+            if entry is None or entry.dropped:
+                continue
+            if entry.ready:
                 self._ask_policy("touched", key)
+            else:
+                entry.touched = True
 
     # --- stores ---
 
@@ -240,6 +245,8 @@ class OffloadManager:
                 entry.ready = True
                 self._num_evictable += 1
                 self._ask_policy("inserted", key)
+                if entry.touched:
+                    self._ask_policy("touched", key)
                 stored.append(key)
             else:
                 self._release(key)

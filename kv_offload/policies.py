@@ -4,8 +4,16 @@ A policy sees keys only (never slots or bytes) and only *resident* keys, i.e.
 keys whose store completed. The manager tells it every change and asks it for
 victims, passing a predicate for what may go (not pinned by a load, not part of
 the store that needs the room); it has already checked that enough such keys
-exist. Select one with `make_policy("lru" | "arc" | "package.module:ClassName",
-capacity)`.
+exist. Select one with `make_policy("slru" | "lru" | "arc" |
+"package.module:ClassName", capacity)`.
+
+Hits reach a policy as `touched`: the connector touches the keys of every hit a lookup finds
+(the blocks that hit would load in every group, deepest first and the first block last),
+whether it loads them or vLLM's own cache already holds those tokens. For a hybrid model
+those are the full-attention prefix and the sliding-window blocks right before the hit
+point, never the sliding-window blocks no hit needs. The default, `slru`, keeps touched keys
+in a protected segment, so what was stored once and never asked for again (a request's own
+tail, sliding-window blocks far from every hit point) leaves before any servable prefix.
 """
 
 from __future__ import annotations
@@ -79,6 +87,61 @@ class LRUPolicy(EvictionPolicy):
     def order(self) -> list[Key]:
         """Resident keys, least recently used first (for inspection and tests)."""
         return list(self._order)
+
+
+class SLRUPolicy(EvictionPolicy):
+    """Segmented LRU (Karedla, Love & Wherry, 1994): keys enter a probation segment; a hit
+    moves a key to the protected segment, which holds at most `PROTECTED_SHARE` of the
+    capacity (its least recent key goes back to the most recent end of probation when it
+    overflows). Victims come from probation first, least recent first, then from protected.
+    Keys stored once and never hit again therefore go before any key that served a hit, and
+    protected keys still age out once others are hit more recently."""
+
+    PROTECTED_SHARE = 0.8
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.protected_limit = max(1, int(capacity * self.PROTECTED_SHARE))
+        self.probation: OrderedDict[Key, None] = OrderedDict()  # least recent first
+        self.protected: OrderedDict[Key, None] = OrderedDict()
+
+    def evict(self, incoming: Sequence[Key], can_evict: CanEvict) -> list[Key]:
+        victims = _oldest(self.probation, len(incoming), can_evict)
+        for key in victims:
+            del self.probation[key]
+        if len(victims) < len(incoming):
+            more = _oldest(self.protected, len(incoming) - len(victims), can_evict)
+            for key in more:
+                del self.protected[key]
+            victims += more
+        return victims
+
+    def inserted(self, key: Key) -> None:
+        if key in self.protected:  # (stored again: a hit of a kind)
+            self.protected.move_to_end(key)
+            return
+        self.probation[key] = None
+        self.probation.move_to_end(key)
+
+    def touched(self, key: Key) -> None:
+        if key in self.protected:
+            self.protected.move_to_end(key)
+            return
+        if key not in self.probation:
+            return  # not resident
+        del self.probation[key]
+        self.protected[key] = None
+        while len(self.protected) > self.protected_limit:
+            demoted, _ = self.protected.popitem(last=False)
+            self.probation[demoted] = None
+
+    def reset(self) -> None:
+        self.probation.clear()
+        self.protected.clear()
+
+    def order(self) -> list[Key]:
+        """Resident keys in eviction order: probation, then protected, least recent first."""
+        return [*self.probation, *self.protected]
 
 
 class ARCPolicy(EvictionPolicy):
@@ -176,11 +239,12 @@ def _oldest(order: OrderedDict[Key, None], n: int, can_evict: CanEvict) -> list[
     return found
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {"slru": SLRUPolicy, "lru": LRUPolicy,
+                                             "arc": ARCPolicy}
 
 
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
-    """A policy by name (`lru`, `arc`), by import path (`package.module:ClassName`,
+    """A policy by name (`slru`, `lru`, `arc`), by import path (`package.module:ClassName`,
     an EvictionPolicy subclass taking the capacity), or an instance as is."""
     if isinstance(policy, EvictionPolicy):
         return policy

@@ -42,8 +42,14 @@ from kv_offload.config import OffloadConfig, format_size
 from kv_offload.faults import FaultLog
 from kv_offload.generations import read_stored_generation, write_stored_generation
 from kv_offload.kernels.runtime import EngineReady
-from kv_offload.key_view import FIRST_GENERATION, KeyView, new_generation, offload_key
-from kv_offload.manager import OffloadManager
+from kv_offload.key_view import (
+    FIRST_GENERATION,
+    KeyView,
+    new_generation,
+    offload_key,
+    storage_key,
+)
+from kv_offload.manager import OffloadManager, SlotState
 from kv_offload.read_rate import ReadRate
 from kv_offload.tiering_jobs import (
     Load,
@@ -63,6 +69,7 @@ from kv_offload.tp_records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
 ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
+PROTECT_PENDING_SLOTS = 4  # keys protected before they land, remembered: x the host slots
 FILE_FORMAT_VERSION = 2  # bump when stored bytes or keys change meaning (joins the fingerprint)
 
 
@@ -79,7 +86,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
     """Host slots (with their manager) in front of an optional `StorageTier`."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
-                 storage: StorageTier | None = None, eviction_policy: str = "lru",
+                 storage: StorageTier | None = None, eviction_policy: str = "slru",
                  pin: bool | None = None, read_timeout_s: float = 30.0,
                  staging_slots: int | None = None, store_stage_timeout_s: float = 1.0,
                  report_storage_copies: bool = False, codec: RecordCodec = CHECKSUM,
@@ -107,6 +114,11 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
             else:
                 self._generation = stored
         self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
+        # Keys a lookup's hit protected before they reached a tier: touched in the host tier
+        # once their store gets its slot (`_stage_store`), in the storage tier once their
+        # write-through lands (`_write_done`).
+        self._protect_on_host: dict[OffloadKey, None] = {}  # (oldest first)
+        self._protect_on_write: dict[OffloadKey, None] = {}
         self._ids = itertools.count(1)
         self._open: set[int] = set()  # jobs whose result is not delivered yet
         self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
@@ -201,6 +213,34 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         """Storage keys whose read or write failed since the last call (for metrics)."""
         failures, self._key_failures = dict(self._key_failures), Counter()
         return failures
+
+    # --- hits ---
+
+    def protect(self, keys: Sequence[OffloadKey]) -> None:
+        """Keys of hits the scheduler's lookups found, or of a prefix several requests
+        asked for (in order: the last is the most valuable, a prefix's first block): every
+        tier keeps them before keys stored once and never asked for
+        (`EvictionPolicy.touched`, `StorageTier.touch`). A key not yet in a tier (its store
+        still in flight, or not yet submitted) is protected there when it lands, if it
+        lands before `PROTECT_PENDING_SLOTS` x the host slots of later such keys. Memory
+        only, O(keys); a fault costs hit rate, never the step."""
+        try:
+            manager = self.manager
+            manager.touch(keys)  # (a key in a host slot but not ready: once it is)
+            in_storage = self.view.in_storage if self.storage is not None else None
+            absent = [k for k, state in zip(keys, manager.lookup(keys))
+                      if state is SlotState.ABSENT and not (in_storage and in_storage(k))]
+            limit = PROTECT_PENDING_SLOTS * self.cpu.num_slots
+            _remember(self._protect_on_host, absent, limit)
+            if in_storage is None:
+                return
+            _remember(self._protect_on_write, [k for k in keys if not in_storage(k)], limit)
+            stored = [k for k in keys if in_storage(k)]
+            if stored:
+                generation = self._generation
+                self.storage.touch([storage_key(k, generation) for k in stored])
+        except Exception as exc:
+            self.faults.failed("hit protection", exc)
 
     # --- jobs ---
 
@@ -317,6 +357,8 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         restart starts in it too."""
         self.manager.reset()
         self.manager.take_events()
+        self._protect_on_host.clear()
+        self._protect_on_write.clear()
         self._generation = new_generation()
         self.view.reset()
         if self.storage is not None:  # (rare, bounded by the tier's timeouts)
@@ -398,3 +440,12 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
             self._fail_load(load)
             self._finish_load_if_done(load)
 
+
+
+def _remember(pending: dict[OffloadKey, None], keys: Sequence[OffloadKey], limit: int) -> None:
+    """Add keys to an insertion-ordered set, dropping its oldest past `limit`."""
+    for key in keys:
+        pending.pop(key, None)
+        pending[key] = None
+    while len(pending) > limit:
+        del pending[next(iter(pending))]

@@ -56,6 +56,12 @@ class StorePipeline:
             del store.waiting[:len(batch)]
             if not plan.keys:  # held already
                 continue
+            pending = self._protect_on_host
+            if pending:  # a lookup protected these before they had a slot
+                hit = [k for k in plan.keys if k in pending]
+                self.manager.touch(hit)  # (STORING: applied once ready)
+                for key in hit:
+                    del pending[key]
             firsts = {k: store.targets[k][:1] for k in plan.keys}  # a key listed twice: once
             try:
                 self._submit_cpu(StorePiece(store, plan.keys), Direction.STORE,
@@ -166,7 +172,15 @@ class StorePipeline:
     def _write_done(self, write: WriteThrough, succeeded: Sequence[bool]) -> None:
         self.manager.complete_load(list(write.keys))
         if write.generation == self._generation:
-            self.view.storage_added([k for k, ok in zip(write.keys, succeeded) if ok])
+            landed = [k for k, ok in zip(write.keys, succeeded) if ok]
+            self.view.storage_added(landed)
+            pending = self._protect_on_write
+            if pending:  # a lookup protected these while they were on their way: now
+                hit = [k for k in landed if k in pending]
+                for key in write.keys:
+                    pending.pop(key, None)
+                if hit:
+                    self.storage.touch([storage_key(k, write.generation) for k in hit])
         self._key_failures[Direction.STORE] += list(succeeded).count(False)
         if all(succeeded):
             self.faults.succeeded("storage write")

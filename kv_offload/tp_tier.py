@@ -353,6 +353,18 @@ class TPRecordTier(StorageTier):
 
     def discard(self, keys: Sequence[bytes]) -> None:
         """Discard what a read of these rank keys would read (their records, shape keys)."""
+        inner = self._read_keys(keys)
+        if inner:
+            self.inner.discard(inner)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Touch what a read of these rank keys would read, in their order."""
+        inner = self._read_keys(keys)
+        if inner:
+            self.inner.touch(inner)
+
+    def _read_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The inner keys a read of these rank keys reads (records, or shape keys)."""
         inner = []
         for key in keys:
             group = self.records.group_of(key)
@@ -364,8 +376,7 @@ class TPRecordTier(StorageTier):
                 continue
             cover = self._cover(group, self._present.get(key, 0)) or ()
             inner += [self.records.record_key(key, part.record) for part in cover]
-        if inner:
-            self.inner.discard(inner)
+        return inner
 
     def read_generation(self) -> bytes | None:
         return self.inner.read_generation()

@@ -182,6 +182,13 @@ class StorageTier(ABC):
         a tier that skips keys it already holds must delete here, or a bad value stays a
         miss for good (never served: it fails verification at every read)."""
 
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
+        """A lookup found ``keys`` part of a hit it can serve (in order: the last is the
+        most valuable, a prefix's first block): a tier that evicts by its own order should
+        keep them before keys stored once and never asked for again. From memory only, never
+        I/O, on the engine's step path; keys not held are ignored. Default: nothing (right
+        for a tier whose server evicts by its own policy, e.g. Valkey's ``maxmemory-policy``)."""
+
     def read_generation(self) -> bytes | None:
         """The generation record last written with ``write_generation`` by any process
         sharing this tier (opaque bytes: the caller seals and checks them), or None. Called

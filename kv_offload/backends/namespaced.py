@@ -75,6 +75,9 @@ class NamespacedTier(StorageTier):
     def discard(self, keys: Sequence[bytes]) -> None:
         self.inner.discard(self._wrap(keys))
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.inner.touch(self._wrap(keys))
+
     # The generation record is the plug-in's own: one per plug-in store, not per layout (a
     # reset by one model then starts a new generation for every model sharing the store: a
     # cold cache for the others, never wrong bytes).

@@ -135,6 +135,9 @@ class SealedTier(StorageTier):
     def discard(self, keys: Sequence[bytes]) -> None:
         self.inner.discard(keys)
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.inner.touch(keys)
+
     def read_generation(self) -> bytes | None:
         return self.inner.read_generation()
 

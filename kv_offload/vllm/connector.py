@@ -137,6 +137,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.hold_for_copies(meta.held)  # (first: these must come back)
             if meta.reset:
                 self._worker.reset()
+            if meta.protect:
+                self._worker.protect(meta.protect)
             self._worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step,
                                      failed_blocks=meta.failed_blocks)
 

@@ -62,6 +62,11 @@ class KVOffloadMetadata(KVConnectorMetadata):
     every rank reports each of them in `finished_recving`, which a rank does once no copy of
     that request's runs on it (`OffloadWorker.hold_for_copies`)."""
 
+    protect: list[OffloadKey] = field(default_factory=list)
+    """Keys of the hits lookups found since the last step, deepest first (the first block
+    of a prefix last): each tier keeps them before keys stored once and never asked for
+    (`TieredStore.protect`)."""
+
     def in_step_block_ids(self) -> set[int]:
         """Every engine block this step's in-step loads fill (planned or not): all of them
         are load errors when the worker cannot say which did not arrive."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import HOST_BIT, GroupBlocks, Location
+from kv_offload.types import HOST_BIT, GroupBlocks, Location, OffloadKey
 from kv_offload.vllm.block_tables import track_block_ids
 from kv_offload.vllm.in_step_loads import InStepLoads
 from kv_offload.vllm.kv_events import KVEvents
@@ -40,6 +40,7 @@ from kv_offload.vllm.store_fence import StoreFence
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
+ASKED_HASHES = 1 << 17  # block hashes of recent lookups remembered (~10 MiB; 4M tokens at 32)
 
 
 @dataclass
@@ -104,6 +105,8 @@ class OffloadScheduler(SchedulerRecovery):
         self._in_step: list[str] = []  # of `_loads`: the ones done before this step's forward
         self._failed_loads: list[str] = []
         self._failed_blocks: list[int] = []  # of in-step loads that could not be planned
+        self._protect_keys: list[OffloadKey] = []  # keys of hits found since the last step
+        self._asked: dict[int, None] = {}  # hashes of recent lookups (`_asked_before`)
         self._reset = False
         # Reports lag the plans by a step: stores planned since count as held (in host
         # memory); while a reset is under way a lookup waits for its report (vLLM asks again).
@@ -138,8 +141,15 @@ class OffloadScheduler(SchedulerRecovery):
         if state.load_failed or state.loading:
             return 0, False, None
         hit = self._longest_hit(request, num_computed_tokens)
-        result = None if state.counted else LookupResult(
-            request.num_tokens, max(0, hit.num_tokens - num_computed_tokens))
+        result = None
+        if not state.counted:  # (once per request: vLLM asks again while it waits)
+            result = LookupResult(request.num_tokens,
+                                  max(0, hit.num_tokens - num_computed_tokens))
+            self._protect(request, hit)
+            asked = self._asked_before(request)
+            if asked > hit.num_tokens:  # a prefix in demand, stored or on its way: keep it
+                self._protect(request, find_longest_cache_hit(
+                    self.specs, lambda group, block: True, asked))
         state.counted = True
         if hit.num_tokens <= num_computed_tokens:
             return 0, False, result
@@ -155,6 +165,43 @@ class OffloadScheduler(SchedulerRecovery):
         through it, so the host tier's size does not bound a hit)."""
         return find_longest_cache_hit(self.specs, self._is_cached_fn(request),
                                       request.num_tokens - 1)  # vLLM computes the last token
+
+    def _protect(self, request: Any, hit: Any) -> None:
+        """Ask the workers to keep the blocks of a hit (`hit.blocks`, per group), whether we
+        load it or vLLM's own cache holds those tokens: what the tiers protect is the hit
+        length they can serve. For a hybrid that is every group at once (the full-attention
+        prefix, the sliding-window blocks right before the hit point, the Mamba state at
+        it), never the sliding-window blocks no hit needs. Ordered by the token each block
+        ends at, deepest first, so the first blocks of the prefix are the most recent:
+        evictions take a protected prefix from its end. O(hit blocks)."""
+        if not hit.num_tokens:
+            return
+        ends = []
+        for g, blocks in enumerate(hit.blocks):
+            size = self.specs[g].block_size
+            ends += [((i + 1) * size, g, i) for i in blocks]
+        ends.sort(reverse=True)
+        self._protect_keys += [(self._hash_of(request, g, i), g) for _, g, i in ends]
+
+    def _asked_before(self, request: Any) -> int:
+        """Tokens of this request's longest prefix that an earlier request also asked for
+        (aligned as hits are, below the last token), and remember its own hashes: a prefix
+        two requests share is worth keeping before it is even stored (the first request's
+        store lands after the second's lookup when both arrive together). The memory is
+        the last `ASKED_HASHES` block hashes asked for. O(request blocks), once per
+        request."""
+        asked, hashes = self._asked, request.block_hashes
+        shared = 0
+        while shared < len(hashes) and hash(hashes[shared]) in asked:
+            shared += 1
+        for block_hash in hashes:
+            key = hash(block_hash)
+            asked.pop(key, None)
+            asked[key] = None  # (the most recent last)
+        while len(asked) > ASKED_HASHES:
+            del asked[next(iter(asked))]
+        tokens = min(shared * self.hash_block_size, request.num_tokens - 1)
+        return tokens // self.align * self.align
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                     num_external_tokens: int) -> None:
@@ -230,11 +277,12 @@ class OffloadScheduler(SchedulerRecovery):
                                  wait_for_stores=wait_for_stores,
                                  idle=not scheduler_output.total_num_scheduled_tokens,
                                  held=self._held,
-                                 wait_for_loads=self.in_step.reuses_fenced(allocated))
+                                 wait_for_loads=self.in_step.reuses_fenced(allocated),
+                                 protect=self._protect_keys)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
         self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
-        self._failed_blocks, self._held = [], []
+        self._failed_blocks, self._held, self._protect_keys = [], [], []
         self._step += 1
         return meta
 

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -190,6 +190,11 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
 
     def begin_step(self, step: int) -> None:  # a new step's plans arrived
         self._step = step
+
+    def protect(self, keys: Sequence[OffloadKey]) -> None:
+        """Keys of the hits the scheduler's lookups found: the tiers keep them longer."""
+        with self._lock:
+            self.store.protect(keys)
 
     def start_loads(self, loads: Mapping[str, GroupBlocks], failed: Collection[str] = (),
                     in_step: Collection[str] = (), failed_blocks: Collection[int] = ()

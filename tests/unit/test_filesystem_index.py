@@ -191,3 +191,16 @@ def test_changes_made_while_a_merge_pauses_are_not_undone_by_it(monkeypatch, at_
     changes = index.feed.take(1000)
     assert b"vanished" in changes.removed and b"removed-meanwhile" in changes.removed
     assert set(changes.added) <= held and not set(changes.removed) & held
+
+
+def test_a_key_that_served_a_hit_outlives_newer_keys_stored_once():
+    """Segmented LRU: writes enter probation, a touch (a lookup's hit) protects; the
+    victims are probation's least recent keys, however recent the protected ones are not."""
+    index = filled(40, b"hit", b"a", b"b")
+    index.touch_each([b"hit", b"absent"])  # (keys not stored are ignored)
+    assert landed(index, b"c") == []
+    assert landed(index, b"d") == [b"a"]
+    assert landed(index, b"e") == [b"b"]
+    assert index.contains([b"hit", b"c", b"d", b"e"]) == [True] * 4
+    assert set(landed(index, b"f", size=30)) == {b"c", b"d", b"e"}
+    assert index.contains([b"hit"]) == [True]

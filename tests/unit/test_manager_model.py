@@ -5,8 +5,9 @@ After every operation it checks: key states equal the reference's; slots of
 ready keys, of keys being written and of loads in progress are distinct, and
 with the free slots they make up exactly the capacity; a plan never hands out a
 held slot and never evicts a pinned, in-flight or protected key; the victims
-and the policy's order (LRU list; ARC's T1, T2, B1, B2 and p) equal the
-reference's.
+and the policy's order (LRU list; SLRU's probation and protected lists; ARC's T1, T2, B1,
+B2 and p) equal the reference's. A key touched while its store is in flight is touched
+when the store completes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,45 @@ class RefLRU:
 
     def snapshot(self, policy) -> bool:
         return policy.order() == self.order
+
+
+class RefSLRU:
+    """Segmented LRU: stores enter probation, a touch moves a key to protected (at most
+    80% of the capacity, its oldest back to probation's end); victims from probation
+    first."""
+
+    def __init__(self, c: int) -> None:
+        self.c, self.limit = c, max(1, int(c * 0.8))
+        self.probation: list = []  # least recent first
+        self.protected: list = []
+
+    def admit(self, keys) -> None:
+        pass
+
+    def victims(self, incoming, can) -> list:
+        chosen = [k for k in self.probation + self.protected if can(k)][: len(incoming)]
+        self.probation = [k for k in self.probation if k not in chosen]
+        self.protected = [k for k in self.protected if k not in chosen]
+        return chosen
+
+    def inserted(self, key) -> None:
+        if key in self.protected:
+            self.touched(key)
+        else:
+            self.probation.append(key)
+
+    def touched(self, key) -> None:
+        (self.probation if key in self.probation else self.protected).remove(key)
+        self.protected.append(key)
+        while len(self.protected) > self.limit:
+            self.probation.append(self.protected.pop(0))
+
+    def reset(self) -> None:
+        self.__init__(self.c)
+
+    def snapshot(self, policy) -> bool:
+        return (list(policy.probation), list(policy.protected)) == (
+            self.probation, self.protected)
 
 
 class RefARC:
@@ -114,6 +154,7 @@ class RefEntry:
     ready: bool = False
     pins: int = 0
     dropped: bool = False
+    touched: bool = False
 
 
 @dataclass
@@ -156,6 +197,8 @@ class RefTier:
             if ok and not e.dropped:
                 e.ready = True
                 self.policy.inserted(k)
+                if e.touched:
+                    self.policy.touched(k)
             else:
                 del self.entries[k]
 
@@ -181,7 +224,7 @@ class Harness:
         self.capacity = 6
         self.keys = [(i if i % 2 else i.to_bytes(2, "big"), i % 3) for i in range(16)]
         self.manager = OffloadManager(self.capacity, policy)
-        ref_policy = {"lru": RefLRU, "arc": RefARC}[policy](self.capacity)
+        ref_policy = {"lru": RefLRU, "slru": RefSLRU, "arc": RefARC}[policy](self.capacity)
         self.ref = RefTier(self.capacity, ref_policy)
         self.loads: list[tuple] = []     # (key, slot) per load in progress
         self.stores: dict = {}           # key -> slot, per key being written
@@ -253,6 +296,8 @@ class Harness:
             for key in keys:
                 if ref.state(key) is SlotState.READY:
                     ref.policy.touched(key)
+                elif ref.state(key) is SlotState.STORING:
+                    ref.entries[key].touched = True
         elif op == "bad_load":
             absent = [k for k in self.keys if ref.state(k) is not SlotState.READY]
             if absent:
@@ -277,7 +322,7 @@ class Harness:
         assert ref.policy.snapshot(m.policy)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["slru", "lru", "arc"])
 def test_manager_matches_reference_over_a_long_random_run(policy):
     harness = Harness(policy, seed=2024)
     for _ in range(OPS_PER_RUN):

@@ -1,4 +1,4 @@
-"""LRU and ARC policies, driven through the real OffloadManager.
+"""LRU, segmented LRU and ARC policies, driven through the real OffloadManager.
 
 ARC is compared with the algorithm as published (Megiddo & Modha, FAST '03,
 Fig. 4), written here from the paper: one request at a time, REPLACE before the
@@ -15,7 +15,7 @@ import pytest
 
 from kv_offload.errors import EvictionPolicyError
 from kv_offload.manager import OffloadManager, SlotState
-from kv_offload.policies import ARCPolicy, LRUPolicy, make_policy
+from kv_offload.policies import ARCPolicy, LRUPolicy, SLRUPolicy, make_policy
 
 
 class PaperARC:
@@ -144,6 +144,43 @@ def test_arc_keeps_a_reused_working_set_through_a_scan_that_flushes_lru():
     assert arc > lru + 0.2, (arc, lru)
 
 
+def test_slru_keeps_a_reused_working_set_through_a_scan_that_flushes_lru():
+    hot = [(b"hot%d" % i, 0) for i in range(6)]
+    requests = []
+    for round_ in range(20):
+        requests += hot + hot
+        requests += [(b"scan%d-%d" % (round_, i), 0) for i in range(10)]
+    lru, slru = hit_ratio("lru", requests, 10), hit_ratio("slru", requests, 10)
+    assert slru > lru + 0.2, (slru, lru)
+
+
+def test_slru_evicts_keys_stored_once_before_keys_that_served_a_hit():
+    manager = OffloadManager(4)  # the default policy
+    assert isinstance(manager.policy, SLRUPolicy)
+    keys = [(bytes([i]), 0) for i in range(8)]
+    for key in keys[:4]:
+        request(manager, key)
+    manager.touch([keys[0]])  # protected, though the least recently stored
+    request(manager, keys[4])  # evicts 1, the oldest key in probation
+    request(manager, keys[5])  # then 2
+    assert manager.policy.order() == [keys[3], keys[4], keys[5], keys[0]]
+    # the protected segment holds at most 80% (3 of 4 keys): the 4th touch demotes its
+    # least recent key to probation's most recent end
+    manager.touch([keys[3], keys[4], keys[5]])
+    assert list(manager.policy.probation) == [keys[0]]
+    assert list(manager.policy.protected) == [keys[3], keys[4], keys[5]]
+
+
+def test_a_key_touched_while_its_store_is_in_flight_is_protected_when_it_lands():
+    manager = OffloadManager(3, "slru")
+    key, other = (b"k", 0), (b"o", 0)
+    manager.prepare_store([key, other])
+    manager.touch([key])  # a lookup's hit found it planned: protect it once it is ready
+    manager.complete_store([key, other], True)
+    assert list(manager.policy.protected) == [key]
+    assert list(manager.policy.probation) == [other]
+
+
 def test_lru_policy_skips_keys_that_may_not_go():
     policy = LRUPolicy(4)
     for key in "abcd":
@@ -167,7 +204,8 @@ def test_make_policy_accepts_names_paths_and_instances():
     assert isinstance(make_policy("kv_offload.policies:ARCPolicy", 3), ARCPolicy)
     instance = ARCPolicy(3)
     assert make_policy(instance, 3) is instance
-    with pytest.raises(EvictionPolicyError, match="accepted: arc, lru"):
+    assert isinstance(make_policy("slru", 3), SLRUPolicy)
+    with pytest.raises(EvictionPolicyError, match="accepted: arc, lru, slru"):
         make_policy("LRU ", 3)
     with pytest.raises(EvictionPolicyError, match="name or an EvictionPolicy"):
         make_policy(42, 3)

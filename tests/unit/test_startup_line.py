@@ -19,7 +19,7 @@ def test_each_rank_logs_its_tiers_sizes_directory_and_policy_once(tmp_path, capl
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
         "kv-offload rank 3:")]
     assert len(lines) == 1
-    assert "host tier 1.0 MiB" in lines[0] and "eviction lru" in lines[0]
+    assert "host tier 1.0 MiB" in lines[0] and "eviction slru" in lines[0]
     if with_disk:
         assert f"filesystem {tmp_path / 'kv'} (budget 64.0 MiB" in lines[0]
     else:

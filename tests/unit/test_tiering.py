@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
+from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize, tiering
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.config import parse_config
 from kv_offload.key_view import storage_key
@@ -203,3 +203,52 @@ def test_fingerprint_changes_with_the_layer_order_and_the_file_format(monkeypatc
     before = layout_fingerprint(canonical)
     monkeypatch.setattr(tiering, "FILE_FORMAT_VERSION", tiering.FILE_FORMAT_VERSION + 1)
     assert layout_fingerprint(canonical) != before
+
+
+def protected_on_disk(store, keys):
+    """Whether each key is in the filesystem index's protected segment."""
+    lru = store.storage._index._lru
+    return [storage_key(k, store._generation) in lru.protected for k in keys]
+
+
+def test_protected_keys_are_kept_by_both_tiers_also_when_protected_in_flight(tmp_path):
+    buffer, canonical = hybrid()
+    store = make_store(canonical, tmp_path, slots=8)
+    early, late, never = (h(1), 0), (h(2), 0), (h(3), 0)
+    [done] = store.wait([store.submit_store({0: ([h(1), h(3)], [1, 3])})])
+    assert done.success
+    store.flush()  # (the write-throughs landed)
+    store.poll()
+    assert store.lookup([early, never]) == [Location.HOST] * 2
+    store.protect([early])
+    assert list(store.manager.policy.protected) == [early]
+    assert protected_on_disk(store, [early, never]) == [True, False]
+    # protected while its store is in flight: both tiers protect it once it lands
+    job = store.submit_store({0: ([h(2)], [2])})
+    store.protect([late])
+    store.wait([job])
+    store.flush()
+    store.poll()
+    assert list(store.manager.policy.protected) == [early, late]
+    assert protected_on_disk(store, [early, late, never]) == [True, True, False]
+    assert not store._protect_on_write and not store._protect_on_host
+    store.close()
+
+
+def test_a_prefix_protected_before_its_store_is_submitted_is_protected_when_it_lands(tmp_path):
+    """Two requests asking for one prefix in the same step: the second's lookup protects
+    keys whose store the first has not submitted yet. Remembered, at most
+    PROTECT_PENDING_SLOTS x the host slots of them (the oldest forgotten first)."""
+    buffer, canonical = hybrid()
+    store = make_store(canonical, tmp_path, slots=2)
+    limit = tiering.PROTECT_PENDING_SLOTS * store.cpu.num_slots
+    store.protect([(h(100 + i), 0) for i in range(limit)])  # fills the memory...
+    store.protect([(h(1), 0)])  # ...and this one pushes the oldest out
+    assert len(store._protect_on_host) == len(store._protect_on_write) == limit
+    [done] = store.wait([store.submit_store({0: ([h(100), h(1)], [1, 2])})])
+    assert done.success
+    store.flush()
+    store.poll()
+    assert list(store.manager.policy.protected) == [(h(1), 0)]
+    assert protected_on_disk(store, [(h(1), 0), (h(100), 0)]) == [True, False]
+    store.close()

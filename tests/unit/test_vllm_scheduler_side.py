@@ -171,6 +171,53 @@ def test_no_load_when_vllm_allocates_no_external_tokens(make_request):
     assert sched.num_new_matched_tokens(request, 0)[:2] == (96, True)  # not marked loading
 
 
+# --- what the tiers are asked to keep ---
+
+def test_a_lookup_protects_exactly_the_blocks_its_hit_needs_deepest_first(make_request):
+    """The full-attention prefix and the sliding-window blocks right before the hit point,
+    never the sliding-window blocks no hit needs; the first block of the prefix last (most
+    recent); once per request, also when vLLM's own cache holds those tokens."""
+    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+                          vkv.FullAttentionSpec(**ATTN))
+    request = make_request("r", 8 * BLOCK + 4)
+    report(sched, 0, keys(request, range(8), group=1))
+    report(sched, 0, keys(request, range(8), group=0))  # every sliding-window block held
+    assert sched.num_new_matched_tokens(request, 8 * BLOCK)[:2] == (0, False)  # vLLM's hit
+    assert sched.num_new_matched_tokens(request, 8 * BLOCK)[:2] == (0, False)  # asked again
+    protect = sched.build_meta(output()).protect
+    want = [*keys(request, [7], group=1), *keys(request, [7], group=0),
+            *keys(request, [6], group=1), *keys(request, [6], group=0),
+            *keys(request, range(5, -1, -1), group=1)]
+    assert protect == want
+    assert sched.build_meta(output()).protect == []  # sent once
+
+
+def test_a_prefix_another_request_asked_for_is_protected_before_it_is_stored(make_request):
+    """Two requests on one document arrive together: nothing is held yet, but the second
+    lookup protects the servable unit at their shared prefix (full attention up to it,
+    the window before it), so the first request's store lands protected."""
+    sched = scheduler_for(vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+                          vkv.FullAttentionSpec(**ATTN))
+    report(sched, 0)
+    first = make_request("a", 5 * BLOCK + 4)
+    second = make_request("b", 5 * BLOCK + 20)  # the same 5 blocks, another tail
+    assert sched.num_new_matched_tokens(first, 0)[:2] == (0, False)
+    assert sched.build_meta(output()).protect == []  # asked once: nothing to keep yet
+    assert sched.num_new_matched_tokens(second, 0)[:2] == (0, False)
+    protect = sched.build_meta(output()).protect
+    assert protect == [*keys(second, [4], group=1), *keys(second, [4], group=0),
+                       *keys(second, [3], group=1), *keys(second, [3], group=0),
+                       *keys(second, [2, 1, 0], group=1)]
+
+
+def test_a_lookup_without_a_hit_protects_nothing(make_request):
+    sched = full_attention()
+    request = make_request("r", 100)
+    report(sched, 0, keys(request, [1, 2]))  # block 0 missing: no prefix
+    assert sched.num_new_matched_tokens(request, 0)[:2] == (0, False)
+    assert sched.build_meta(output()).protect == []
+
+
 # --- (6), (7): load failures and request ends ---
 
 def hit_and_load(sched, request, block_ids):

@@ -12,8 +12,11 @@ evict and hands the victims back; the caller deletes their files (off the hot pa
 tolerates files that another process already deleted. Every change of the key set is recorded
 in a `ChangeFeed` while the index lock is held, so the feed's order matches the index's.
 
-Recency is "last access": a write or a read moves a key to the most recent end (`ShardedLRU`).
-A key being read (``begin_read`` .. ``end_read``) is pinned and never chosen for eviction.
+Order is a segmented LRU (`SegmentedLRU`): a new file enters probation; an access (a read, a
+rewrite of the same key, or a lookup's hit reported through ``touch``) moves it to the
+protected segment (at most ``PROTECTED_SHARE`` of the budget). Victims are probation's least
+recent keys first. A key being read (``begin_read`` .. ``end_read``) is pinned and never
+chosen for eviction.
 
 Writes evict only after they land. ``reserve`` picks the least recent unpinned keys worth the
 room a write needs and marks them doomed: they stay in the index and on disk (lookups and reads
@@ -45,10 +48,11 @@ from itertools import islice
 
 from kv_offload.backends.filesystem.changes import ChangeFeed
 from kv_offload.backends.filesystem.listing import MergeResult, ScanListing, ScannedFile
-from kv_offload.backends.filesystem.lru import ShardedLRU
+from kv_offload.backends.filesystem.lru import SegmentedLRU
 from kv_offload.backends.filesystem.pacing import Pacer, Pause, let_others_run
 
 _RUN = 1024  # new keys are sorted in runs of this many (~0.2 ms each), merged lazily
+PROTECTED_SHARE = 0.8  # of the budget: keys that served a hit
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class KeyIndex:
         self.budget_bytes = budget_bytes
         self.feed = feed if feed is not None else ChangeFeed()
         self._lock = threading.Lock()
-        self._lru = ShardedLRU()
+        self._lru = SegmentedLRU(int(budget_bytes * PROTECTED_SHARE))
         self._readers: dict[bytes, int] = {}  # pinned keys -> reads in progress
         self._doomed: set[bytes] = set()  # victims of writes in flight
         self._committed = 0  # bytes of files on disk (doomed ones included)
@@ -88,6 +92,7 @@ class KeyIndex:
         """Change the budget (this tier's share of the root); ``evict_to_budget`` applies it."""
         with self._lock:
             self.budget_bytes = max(0, budget_bytes)
+            self._lru.protected_limit = int(self.budget_bytes * PROTECTED_SHARE)
 
     def contains(self, keys: list[bytes]) -> list[bool]:
         """Whether each key is stored (does not count as an access)."""
@@ -100,9 +105,15 @@ class KeyIndex:
             return self._lru.keys()
 
     def touch(self, key: bytes) -> bool:
-        """Mark a stored key as just accessed; False if it is not stored."""
+        """Mark a stored key as just accessed (protected); False if it is not stored."""
         with self._lock:
             return self._access(key)
+
+    def touch_each(self, keys: Iterable[bytes]) -> None:
+        """`touch` every stored key of ``keys``, in order, in one lock hold."""
+        with self._lock:
+            for key in keys:
+                self._access(key)
 
     # -- writes: reserve, then commit or release ------------------------------------------
 
@@ -259,16 +270,16 @@ class KeyIndex:
         sizes, lru = listing.sizes, self._lru
         with Pacer(pause, self._lock) as pacer:
             for index, listed in enumerate(listing.shards):
-                shard = lru.shard(index)
+                shard = lru.shard_keys(index)
                 if not shard and not listed:
                     continue
-                for key in shard.keys() - listed.keys():
+                for key in shard - listed.keys():
                     # Checked per key: a pause may have come between the difference and now.
                     if key in lru and key not in self._fresh and key not in self._readers:
                         self._drop(key)  # deleted by another process
                         dropped += 1
                     pacer.tick()
-                common = shard.keys() & listed.keys()
+                common = shard & listed.keys()
                 held = lru.sizes_in_shard(index, common)  # (a set iterates the same way twice)
                 seen = [sizes[listed[key]] for key in common]
                 if held != seen:  # rewritten elsewhere with another size: rare
@@ -276,7 +287,7 @@ class KeyIndex:
                         if lru.size(key) not in (None, size):
                             self._resize(key, size)
                             resized += 1
-                for key in listed.keys() - shard.keys():
+                for key in listed.keys() - shard:
                     new_keys.append(key)
                     new_rows.append(listed[key])
                 pacer.tick(len(listed) // 4 + 1)  # set operations and comparisons

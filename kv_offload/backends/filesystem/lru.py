@@ -3,6 +3,11 @@
 Contents:
 - `ShardedLRU`: key -> size in LRU order; ``NUM_SHARDS`` small insertion-ordered dicts and a
   heap of their oldest entries give the global order.
+- `SegmentedLRU`: two of them, probation and protected (segmented LRU): a key enters
+  probation; an access (a read, a hit a lookup found) moves it to protected, which holds at
+  most ``protected_limit`` bytes. Eviction takes probation's least recent keys first, so a
+  block stored once and never asked for again (a request's own tail, sliding-window blocks
+  far from every hit point) goes before any block of a prefix that served a hit.
 
 Why not one ``OrderedDict``: at a million keys, growing (or compacting) one hash table copies
 all of it in one call: inserts then stall for 0.1-0.4 s every few hundred thousand writes,
@@ -188,3 +193,99 @@ class ShardedLRU:
             if shard
         ]
         heapq.heapify(self._fronts)
+
+
+class SegmentedLRU:
+    """Probation and protected `ShardedLRU` segments (module docstring). Not thread-safe."""
+
+    def __init__(self, protected_limit: int | None = None) -> None:
+        self.probation = ShardedLRU()
+        self.protected = ShardedLRU()
+        self.protected_limit = protected_limit  # bytes; None: no limit
+        self.protected_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.probation or key in self.protected
+
+    def contains_each(self, keys: Iterable[bytes]) -> list[bool]:
+        keys = list(keys)
+        return [a or b for a, b in zip(self.probation.contains_each(keys),
+                                       self.protected.contains_each(keys))]
+
+    def shard_keys(self, index: int) -> set[bytes]:
+        """The keys of shard ``index`` in both segments (for scan merges)."""
+        return self.probation.shard(index).keys() | self.protected.shard(index).keys()
+
+    def sizes_in_shard(self, index: int, keys: Iterable[bytes]) -> list[int]:
+        probation, protected = self.probation.shard(index), self.protected.shard(index)
+        return [(protected[key] if (packed := probation.get(key)) is None else packed)
+                & _SIZE_MASK for key in keys]
+
+    def size(self, key: bytes) -> int | None:
+        size = self.probation.size(key)
+        return self.protected.size(key) if size is None else size
+
+    def put(self, key: bytes, size: int) -> int | None:
+        """Insert ``key`` (or update it) as the most recent of its segment (probation for a
+        new key); returns its previous size."""
+        if key in self.protected:
+            old = self.protected.put(key, size)
+            self.protected_bytes += size - (old or 0)
+            self._demote()
+            return old
+        return self.probation.put(key, size)
+
+    def set_size(self, key: bytes, size: int) -> None:
+        if key in self.protected:
+            self.protected_bytes += size - (self.protected.size(key) or 0)
+            self.protected.set_size(key, size)
+        else:
+            self.probation.set_size(key, size)
+
+    def add(self, key: bytes, size: int) -> bool:
+        """Insert an absent ``key`` into probation; False (nothing changes) if present."""
+        return key not in self.protected and self.probation.add(key, size)
+
+    def touch(self, key: bytes) -> bool:
+        """An access: ``key`` becomes the most recent protected key; False if absent."""
+        if self.protected.touch(key):
+            return True
+        size = self.probation.pop(key)
+        if size is None:
+            return False
+        self.protected.put(key, size)
+        self.protected_bytes += size
+        self._demote()
+        return True
+
+    def pop(self, key: bytes) -> int | None:
+        size = self.probation.pop(key)
+        if size is None:
+            size = self.protected.pop(key)
+            if size is not None:
+                self.protected_bytes -= size
+        return size
+
+    def keys(self) -> list[bytes]:
+        return self.probation.keys() + self.protected.keys()
+
+    def oldest(self, skip: Callable[[bytes], bool] | None = None) -> Iterator[tuple[bytes, int]]:
+        """(key, size) in eviction order: probation's least recent first, then protected's.
+        The same contract as `ShardedLRU.oldest`."""
+        yield from self.probation.oldest(skip)
+        yield from self.protected.oldest(skip)
+
+    def _demote(self) -> None:
+        """Protected keys past the limit go back to probation, least recent first (as its
+        most recent keys: they served hits, so they still outlive keys never asked for)."""
+        limit = self.protected_limit
+        while limit is not None and self.protected_bytes > limit and len(self.protected) > 1:
+            walk = self.protected.oldest()
+            key, size = next(walk)
+            walk.close()
+            self.protected.pop(key)
+            self.protected_bytes -= size
+            self.probation.put(key, size)

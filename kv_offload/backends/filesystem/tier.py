@@ -148,6 +148,10 @@ class FilesystemTier(FileReads, StorageTier):
         check_tier_keys(keys)
         return self._index.contains(list(keys))
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Keys of a hit: protected in the index's eviction order (memory only)."""
+        self._index.touch_each(keys)
+
     def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
         check_tier_request(keys, buffers, max_key_bytes=MAX_KEY_BYTES)
         return self._submit_write(keys, buffers)
@@ -218,7 +222,8 @@ class FilesystemTier(FileReads, StorageTier):
 
     def describe(self) -> str:
         budget = format_size(self.config.bytes_to_use)
-        return f"filesystem {self.config.root_dir} (budget {budget} for the directory, LRU)"
+        return f"filesystem {self.config.root_dir} (budget {budget} for the directory, " \
+            "segmented LRU)"
 
     def stats(self) -> FilesystemTierStats:
         """Keys, bytes and counters (writes, failures by reason, evictions, bad files...)."""

@@ -72,6 +72,10 @@ class BucketKeys:
         """Whether the key is stored (ours: counts as an access)."""
         return self.own.touch(key) or self.others.contains([key])[0]
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Keys of a hit: this engine's own objects among them are protected (`KeyIndex`)."""
+        self.own.touch_each(keys)
+
     def keys(self) -> list[bytes]:
         return self.own.keys() + self.others.keys()
 

@@ -15,8 +15,9 @@
   same bytes, so an object already there is never sent twice (a store that refuses the
   header gets plain puts from then on).
 - An object store does not evict: ``bytes_to_use`` bounds the objects this engine wrote, and
-  only those are evicted by it (``BucketKeys`` in keys.py: the disk tier's ``KeyIndex``, LRU by
-  last access, a key being read is never evicted, victims deleted only once the write that
+  only those are evicted by it (``BucketKeys`` in keys.py: the disk tier's ``KeyIndex``, a
+  segmented LRU where objects a hit used outlive those stored once, a key being read is never
+  evicted, victims deleted only once the write that
   needed their room landed). Other writers' objects, adopted from listings of the prefix
   (listing.py: at start, then a crawl of a few pages per ``refresh_interval_s``), are served
   but never deleted by this engine (bad ones aside):
@@ -132,6 +133,10 @@ class S3Tier(StorageTier):
         check_tier_keys(keys)
         return self._index.contains(list(keys))
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Keys of a hit: kept before objects stored once and never asked for (memory only)."""
+        self._index.touch(keys)
+
     def submit_write(self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor]) -> int:
         check_tier_request(keys, buffers)
         job = self._book.new_job(keys)
@@ -202,7 +207,7 @@ class S3Tier(StorageTier):
     def describe(self) -> str:
         where = self.config.endpoint_url or "AWS S3"
         return f"s3 {where} bucket {self.config.bucket!r} (budget " \
-            f"{format_size(self.config.bytes_to_use)}, LRU)"
+            f"{format_size(self.config.bytes_to_use)}, segmented LRU)"
 
     def stats(self) -> TierStats:
         counts = self._book.counts()
