@@ -31,7 +31,7 @@ from kv_offload import (
     SlidingWindowSpec,
     find_longest_cache_hit,
 )
-from kv_offload.manager import OffloadManager
+from kv_offload.store.manager import OffloadManager
 from kv_offload.testing.example_models import gemma3, group_layers, qwen3_next
 
 PROMPT_TOKENS = 128 * 1024

@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from kv_offload.backends.cpu import CpuBackend
 from kv_offload.canonical import canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.kernels.cpu import serial_torch_thread
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+from kv_offload.store.host import CpuBackend
 from kv_offload.testing.engine_alloc import allocate_kv_caches
-from kv_offload.vllm.worker_side import OffloadWorker
+from kv_offload.vllm.worker.offload_worker import OffloadWorker
 
 LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 8, 32, 4, 64  # bench_ttft's Llama-like model
 

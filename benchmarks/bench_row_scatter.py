@@ -211,10 +211,10 @@ def compiled_scatter(engine: torch.Tensor, pool: torch.Tensor, ids: torch.Tensor
 
 
 def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
-    from kv_offload.backends.cpu import CpuBackend
     from kv_offload.canonical import canonicalize
     from kv_offload.kernels import cpu as cpu_kernels
     from kv_offload.kernels import plan as plan_kernels
+    from kv_offload.store.host import CpuBackend
     from kv_offload.tools.bench_cpu import fill_pattern, synthetic_model
     from kv_offload.transfer import Direction
 

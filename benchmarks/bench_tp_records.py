@@ -39,9 +39,9 @@ import torch
 
 from kv_offload.canonical import canonicalize
 from kv_offload.config import parse_config
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
+from kv_offload.store.tp.records import TPShare, rank_records
 from kv_offload.testing.example_models import build_example
-from kv_offload.tiering import TieredStore, layout_fingerprint
-from kv_offload.tp_records import TPShare, rank_records
 from kv_offload.types import Location
 
 MODEL, HEADS = "llama-8b", 8

@@ -55,7 +55,7 @@ planted "a job's descriptor buffer goes back to the pool at once" \
     "from kv_offload.kernels.cuda import CudaJob
 CudaJob.hold = lambda self, buffer: self._pool.release(buffer)" "descriptors"
 planted "a closed backend leaves its pool pinned" \
-    "from kv_offload.backends.cpu import backend
+    "from kv_offload.store.host import backend
 backend.release_pinned = lambda pool: None" "unpins"
 
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from step_cost_compat import host_report
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from kv_offload.vllm.scheduler_side import OffloadScheduler
+from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
 
 
 @dataclass(frozen=True)

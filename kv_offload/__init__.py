@@ -17,6 +17,7 @@ from kv_offload.errors import (
 )
 from kv_offload.hits import CacheHit, find_longest_cache_hit
 from kv_offload.registry import KVCacheSpecRegistry, default_registry, register_kv_cache_spec
+from kv_offload.runtime import moved as _moved
 from kv_offload.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -30,6 +31,8 @@ from kv_offload.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+
+_moved.install()  # (old import paths of moved modules, for one release)
 
 __all__ = [
     "__version__",

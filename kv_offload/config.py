@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kv_offload.errors import ConfigError
-from kv_offload.policies import POLICIES
+from kv_offload.store.policies import POLICIES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -61,8 +61,8 @@ class OffloadConfig:
     """A hit (within in_step_load_bytes) that reads blocks from the storage tier also loads
     inside the step when that read is expected to take at most this long: its storage bytes
     per rank over the slowest rank's measured read throughput (the fastest of its last 8
-    reads: `kv_offload.read_rate`; a probe read measures a storage tier that holds keys at
-    start-up: `kv_offload.tiering_probe`). Unmeasured (no read yet) or slower: asynchronous,
+    reads: `kv_offload.store.read_rate`; a probe read measures a storage tier that holds keys at
+    start-up: `kv_offload.store.probe`). Unmeasured (no read yet) or slower: asynchronous,
     so a large read never stalls the batch. 0: storage reads always asynchronous (and no
     probe read)."""
     copy_timeout_s: float = 30.0
@@ -72,7 +72,7 @@ class OffloadConfig:
     layer_wise: bool = False
     """In-step loads and stores move layer by layer through vLLM's per-layer hooks (the
     forward of layer i overlaps the copies of the other layers) where the KV cache can be
-    cut per layer (kv_offload/vllm/worker_layers.py). Off by default: on vLLM CPU our copy
+    cut per layer (kv_offload/vllm/worker/layers.py). Off by default: on vLLM CPU our copy
     threads then compete with the forward for the same cores, and host hits measured slower
     than whole-step copies (README, "Benchmarks")."""
 
@@ -220,7 +220,7 @@ def _parse_secret(extra: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(path, str) or not path:
         raise ConfigError(f"secret_file must be a non-empty path string, got {path!r}")
     from kv_offload.backends.sealing import check_crypto_available
-    from kv_offload.secret_file import read_secret
+    from kv_offload.runtime.secret_file import read_secret
 
     path = os.path.abspath(os.path.expanduser(path))
     check_crypto_available()

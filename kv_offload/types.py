@@ -9,6 +9,7 @@
 - `KeyChange` / `KeyChanges`: a key whose location changed, and a bounded batch of them
   (what a worker reports so the scheduler can offer hits).
 - `Direction`: which way a job moves bytes (store: engine -> tiers; load: tiers -> engine).
+- `IdsLike`: block or slot ids as a list, a numpy array or a tensor (the kernels take any).
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
-from kv_offload.kernels.plan import IdsLike
 from kv_offload.transfer import Direction
 
+if TYPE_CHECKING:  # (names only: this module imports neither)
+    import numpy as np
+    import torch
+
+IdsLike = Union[Sequence[int], "np.ndarray", "torch.Tensor"]  # noqa: UP007 (names, not types)
 OffloadKey = tuple[bytes | int, int]
 # The media a key is held in, one bit each (0: none): KeyView's codes, a report's byte per key.
 HOST_BIT, STORAGE_BIT = 1, 2

@@ -62,7 +62,7 @@ class TierJobResult:
 
 class Repack(ABC):
     """A value whose stored bytes (`nbytes`) are a rearrangement of part of a host buffer
-    (`tp_tier`: a KV-head record that is not the host slot's bytes). A tier that takes repacked
+    (`tp.tier`: a KV-head record that is not the host slot's bytes). A tier that takes repacked
     values moves the stored bytes through a buffer of its own, reused across keys (the
     filesystem tier: one per I/O thread), and calls `pack` before writing and `unpack`
     after a verified read on the thread that does the key's I/O: the copies run beside

@@ -4,12 +4,12 @@ A record that fails its checks (header, checksum, keyed tag, decryption) is a mi
 where the tier can remove it, and counted by the tier as ``rejected_records`` (the engine's
 ``vllm:kv_offload_storage_rejected_records_total``). A forger, or a bad disk, can produce many
 of them: the first of an episode is logged with its reason, the rest only counted, and the
-episode's end is logged once reads verify again for a while (``kv_offload.faults``).
+episode's end is logged once reads verify again for a while (``kv_offload.runtime.faults``).
 """
 
 from __future__ import annotations
 
-from kv_offload.faults import FaultLog
+from kv_offload.runtime.faults import FaultLog
 
 WHERE = "record verification"
 

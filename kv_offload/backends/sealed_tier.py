@@ -45,7 +45,7 @@ from kv_offload.backends.record import (
     unpack_into,
 )
 from kv_offload.backends.rejections import Rejections
-from kv_offload.faults import FaultLog
+from kv_offload.runtime.faults import FaultLog
 
 
 @dataclasses.dataclass

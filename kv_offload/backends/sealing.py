@@ -38,7 +38,7 @@ from hashlib import sha256
 
 from kv_offload.backends.record import CHECKSUM, FORMAT_VERSION, RecordCodec
 from kv_offload.errors import ConfigError
-from kv_offload.secret_file import read_secret
+from kv_offload.runtime.secret_file import read_secret
 
 _DOMAIN = b"kv-offload record v1\0"
 _NONCE_BYTES = 12

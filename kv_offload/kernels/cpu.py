@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_offload.affinity import join_our_cpus
 from kv_offload.kernels.geometry import Segment
 from kv_offload.kernels.plan import (  # (HOST_ROWS: the compiled module, or None)
     HOST_ROWS,
@@ -54,6 +53,7 @@ from kv_offload.kernels.plan import (  # (HOST_ROWS: the compiled module, or Non
     argsort_ids,
     stretches,
 )
+from kv_offload.runtime.affinity import join_our_cpus
 
 # Cost rule, single-threaded: microseconds per call and per row, bytes per microsecond,
 # from timing each strategy on each access pattern (2-core EPYC); only ratios matter.

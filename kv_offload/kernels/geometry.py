@@ -84,7 +84,7 @@ def build_segments(
     """Per group, the segments that together cover every ref's real bytes.
 
     `pool` is the host memory: an int8 `(num_slots, layout.slot_bytes)` tensor. `fuse`
-    False: one segment per ref (copies cut per layer, `backends/cpu/layer_copies.py`)."""
+    False: one segment per ref (copies cut per layer, `store/host/layer_copies.py`)."""
     if pool.dtype != torch.int8 or pool.dim() != 2 or pool.shape[1] != layout.slot_bytes:
         raise ValueError(
             f"host pool must be int8 (num_slots, {layout.slot_bytes}), got {pool.dtype} "

@@ -18,13 +18,13 @@ import torch
 
 from kv_offload.errors import TransferError
 from kv_offload.transfer import Direction
+from kv_offload.types import IdsLike
 
 try:  # built by the install where a C compiler is found (pyproject.toml: ext-modules)
     from kv_offload.kernels import _host_rows as HOST_ROWS
 except ImportError:  # pragma: no cover - depends on the install
     HOST_ROWS = None  # (tests set it to None to run the numpy path)
 
-IdsLike = Sequence[int] | np.ndarray | torch.Tensor
 RADIX_MIN_IDS = 1024  # (benchmarks/bench_plan_sort.py: from here on the radix sort wins)
 
 

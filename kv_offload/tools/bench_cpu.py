@@ -95,7 +95,7 @@ def fill_pattern(buffer: torch.Tensor) -> None:
 
 
 def bench_cpu(args: argparse.Namespace) -> dict:
-    from kv_offload.backends.cpu import CpuBackend
+    from kv_offload.store.host import CpuBackend
 
     rng = np.random.default_rng(args.seed)
     model, canonical, per_group = build_model(args)

@@ -31,19 +31,19 @@ from vllm.v1.request import RequestStatus
 from kv_offload.backends import storage_choice
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
-from kv_offload.faults import FaultLog
-from kv_offload.startup_checks import check_before_engine_start, check_startup
+from kv_offload.runtime.faults import FaultLog
+from kv_offload.store.startup_checks import check_before_engine_start, check_startup
 from kv_offload.types import Location
 from kv_offload.vllm import startup_error
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.fingerprint import fingerprint_extra
-from kv_offload.vllm.in_step_loads import InStepLoads
-from kv_offload.vllm.kv_events import kv_events_enabled, make_kv_events
-from kv_offload.vllm.mamba_states import check_mamba_servable
 from kv_offload.vllm.metadata import KVOffloadMetadata
-from kv_offload.vllm.scheduler_side import OffloadScheduler
+from kv_offload.vllm.scheduler.in_step_loads import InStepLoads
+from kv_offload.vllm.scheduler.kv_events import kv_events_enabled, make_kv_events
+from kv_offload.vllm.scheduler.mamba_states import check_mamba_servable
+from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
 from kv_offload.vllm.spec_translation import translate_groups
-from kv_offload.vllm.worker_side import OffloadWorker
+from kv_offload.vllm.worker.offload_worker import OffloadWorker
 
 logger = logging.getLogger(__name__)
 # A request vLLM ended because of its own output, after it handled the step's failed loads
@@ -154,7 +154,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._contained("start_load_kv", start, fail_all)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Layer-wise in-step loads (worker_layers.py): this layer's bytes are in; if we
+        # Layer-wise in-step loads (worker/layers.py): this layer's bytes are in; if we
         # cannot tell, the step's layer-wise loads are reported failed (recomputed).
         self._contained("wait_for_layer_load", lambda: self._worker.wait_for_layer(layer_name),
                         self._worker.fail_layer_loads)

@@ -17,7 +17,7 @@ bytes and the keys, and nothing else, so a cache survives what does not change t
   future vLLM moved them), the version is used instead.
 - **The shard.** Tensor and pipeline parallel sizes and this rank decide which heads and
   layers a page holds: they are part of a rank's own fingerprint (per-shape groups), while
-  TP-free records (`kv_offload.tp_records`) are namespaced by the same identity without the
+  TP-free records (`kv_offload.store.tp.records`) are namespaced by the same identity without the
   TP size, the TP rank, the per-rank specs and the page layout (records hold whole heads in
   an order of their own), keeping the pipeline stage.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-from kv_offload.tp_records import TPShare
+from kv_offload.store.tp.records import TPShare
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ SAMPLE_BYTES = 64 * 1024
 class EngineFingerprint:
     """`shape`: the engine part of a rank's own layout fingerprint (everything, TP size and
     rank included: per-shape groups and the host tier). `share`: what the rank needs to
-    read and write TP-free records (`kv_offload.tp_records`), whose namespace leaves out
+    read and write TP-free records (`kv_offload.store.tp.records`), whose namespace leaves out
     the TP size, the TP rank, the per-rank specs and the page layout."""
 
     shape: str

@@ -87,7 +87,7 @@ class RankReport:
     reflected_step: int
     """The stores and resets of every step up to this one show in the changes."""
     read_bytes_per_s: float = 0.0
-    """The rank's measured storage read throughput (`kv_offload.read_rate`; 0: none yet)."""
+    """The rank's measured storage read throughput (`kv_offload.store.read_rate`; 0: none yet)."""
     stalled: tuple[str, ...] = ()
     """Requests whose in-step load this rank gave up at `copy_timeout_s` and which still
     runs (a stalled copy thread, a slow read): until it ends, another in-step load would

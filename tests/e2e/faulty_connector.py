@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from kv_offload.policies import LRUPolicy
+from kv_offload.store.policies import LRUPolicy
 from kv_offload.vllm import KVOffloadConnector
 
 EVERY = int(os.environ.get("KV_OFFLOAD_FAULT_EVERY", "3"))

@@ -159,7 +159,7 @@ def test_corrupted_disk_files_are_recomputed(runs, tiny_models, model):
     assert token_ids(second) == baseline
     assert cached(first) == [0] * len(PROMPTS)  # nothing usable was served
     # The bad files were refused: by a load (its request recomputes those blocks) or, at
-    # start-up, by the read probe (kv_offload.tiering_probe: then the blocks are misses).
+    # start-up, by the read probe (kv_offload.store.probe: then the blocks are misses).
     log = (work / "corrupt" / "engine.log").read_text()
     assert "will be recomputed" in log or "refused and removed" in log
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kv_offload.affinity import cpus_for_our_threads, parse_cpu_list, spread_threads
+from kv_offload.runtime.affinity import cpus_for_our_threads, parse_cpu_list, spread_threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
 

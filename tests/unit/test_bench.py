@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from kv_offload.backends.cpu import CpuBackend
+from kv_offload.store.host import CpuBackend
 from kv_offload.tools import bench, bench_cpu
 from kv_offload.tools.cli import main
 

@@ -13,8 +13,8 @@ import torch
 from test_kernels import engine_page, randomize, reference_load, reference_store
 
 from kv_offload import canonicalize
-from kv_offload.backends.cpu import CpuBackend
 from kv_offload.errors import ConfigError, TierClosedError, TransferError
+from kv_offload.store.host import CpuBackend
 from kv_offload.testing.example_models import build_example
 from kv_offload.transfer import Direction
 
@@ -281,7 +281,7 @@ def test_store_reads_engine_memory_in_address_order():
 def test_with_the_offload_manager_slots_and_evictions(gemma):
     """Slot ids come from the scheduler-side OffloadManager; evictions reuse slots
     and every key that is still ready loads back its own bytes."""
-    from kv_offload.manager import OffloadManager
+    from kv_offload.store.manager import OffloadManager
 
     model, canonical = gemma
     with CpuBackend(canonical, 4 << 20) as backend:

@@ -14,11 +14,11 @@ import torch
 from test_cpu_backend import gemma_model, logical_pool
 from test_kernels import randomize, reference_load
 
-from kv_offload.backends.cpu import CpuBackend
-from kv_offload.backends.cpu.layer_copies import LayerSteps
 from kv_offload.canonical import canonicalize
 from kv_offload.kernels import cpu as cpu_kernels
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+from kv_offload.store.host import CpuBackend
+from kv_offload.store.host.layer_copies import LayerSteps
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.transfer import Direction
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from kv_offload import canonicalize
-from kv_offload.backends.cpu import CpuBackend
-from kv_offload.manager import OffloadManager
+from kv_offload.store.host import CpuBackend
+from kv_offload.store.manager import OffloadManager
 from kv_offload.testing.example_models import build_example
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -71,8 +71,8 @@ def test_freed_slots_are_reused_first_so_the_high_water_mark_only_counts_new_one
 
 def test_the_tiered_store_moves_the_window_as_its_manager_hands_out_slots(canonical,
                                                                           monkeypatch):
-    from kv_offload.backends.cpu import prefault
-    from kv_offload.tiering import TieredStore
+    from kv_offload.store.host import prefault
+    from kv_offload.store.tiered import TieredStore
 
     monkeypatch.setattr(prefault, "AHEAD_BYTES", 2 << 20)  # two slots of 1 MiB
     store = TieredStore(canonical, 64 << 20, pin=False)
@@ -93,7 +93,7 @@ def test_with_most_of_the_window_left_the_refill_waits_until_demand_pauses(canon
     # with the kernel zeroing pages; a quarter of the window is still ahead here)
     import time
 
-    from kv_offload.backends.cpu import prefault
+    from kv_offload.store.host import prefault
 
     monkeypatch.setattr(prefault, "AHEAD_BYTES", 32 << 20)  # 32 slots of 1 MiB, of 64
     with CpuBackend(canonical, 64 << 20, pin=False) as backend:

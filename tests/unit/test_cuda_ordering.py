@@ -17,9 +17,9 @@ from test_cpu_backend import logical_pool
 from test_kernels import randomize, reference_load, reference_store
 
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
-from kv_offload.backends.cpu import CpuBackend
 from kv_offload.errors import TransferError
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
+from kv_offload.store.host import CpuBackend
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(compiler() is None,

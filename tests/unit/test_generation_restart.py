@@ -15,9 +15,9 @@ from kv_offload.backends.base import StorageTier
 from kv_offload.backends.example import DictTier
 from kv_offload.backends.sealing import Authenticated
 from kv_offload.config import parse_config
-from kv_offload.generations import GENERATION_KEY, generation_record
-from kv_offload.key_view import FIRST_GENERATION
-from kv_offload.tiering import TieredStore, layout_fingerprint
+from kv_offload.store.generations import GENERATION_KEY, generation_record
+from kv_offload.store.key_view import FIRST_GENERATION
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
 from kv_offload.types import Location
 
 

@@ -29,9 +29,9 @@ from test_kernels import randomize, reference_load, reference_store
 from test_kernels_cuda_property import job, models, run_path
 
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
-from kv_offload.backends.cpu import CpuBackend
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda_batch import MIN_DRIVER_VERSION
+from kv_offload.store.host import CpuBackend
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(

@@ -24,9 +24,9 @@ from test_cpu_backend import logical_pool
 from test_kernels import randomize, reference_load, reference_store, small_hybrid
 
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
-from kv_offload.backends.cpu import CpuBackend
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda import MAX_GRID
+from kv_offload.store.host import CpuBackend
 from kv_offload.testing.engine_alloc import LAYOUTS, allocate_kv_caches
 from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example, group_layers
 

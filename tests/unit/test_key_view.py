@@ -9,7 +9,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_offload.key_view import KeyView
+from kv_offload.store.key_view import KeyView
 from kv_offload.types import Location
 
 HOST, STORAGE, ABSENT = Location.HOST, Location.STORAGE, Location.ABSENT

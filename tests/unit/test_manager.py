@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kv_offload.errors import ConfigError, EvictionPolicyError, OffloadStateError
-from kv_offload.manager import OffloadEvent, OffloadManager, SlotState, StorePlan
-from kv_offload.policies import EvictionPolicy, LRUPolicy
+from kv_offload.store.manager import OffloadEvent, OffloadManager, SlotState, StorePlan
+from kv_offload.store.policies import EvictionPolicy, LRUPolicy
 
 ABSENT, STORING, READY = SlotState.ABSENT, SlotState.STORING, SlotState.READY
 
@@ -250,13 +250,13 @@ def test_bad_keys_and_sizes_are_typed_errors():
 
 def test_policy_names_and_import_paths():
     assert type(OffloadManager(2, "arc").policy).__name__ == "ARCPolicy"
-    assert isinstance(OffloadManager(2, "kv_offload.policies:LRUPolicy").policy, LRUPolicy)
+    assert isinstance(OffloadManager(2, "kv_offload.store.policies:LRUPolicy").policy, LRUPolicy)
     with pytest.raises(ConfigError, match="unknown eviction_policy 'fifo'; accepted: arc, lru"):
         OffloadManager(2, "fifo")
     with pytest.raises(EvictionPolicyError, match="cannot be imported"):
         OffloadManager(2, "no_such_module_xyz:Policy")
     with pytest.raises(EvictionPolicyError, match="not an EvictionPolicy"):
-        OffloadManager(2, "kv_offload.manager:OffloadManager")
+        OffloadManager(2, "kv_offload.store.manager:OffloadManager")
 
 
 class MostRecentFirst(EvictionPolicy):

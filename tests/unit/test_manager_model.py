@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kv_offload.errors import OffloadStateError
-from kv_offload.manager import OffloadManager, SlotState
+from kv_offload.store.manager import OffloadManager, SlotState
 
 OPS_PER_RUN = 55_000  # two runs: > 100k operations in all
 

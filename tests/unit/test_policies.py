@@ -14,8 +14,8 @@ import random
 import pytest
 
 from kv_offload.errors import EvictionPolicyError
-from kv_offload.manager import OffloadManager, SlotState
-from kv_offload.policies import ARCPolicy, LRUPolicy, SLRUPolicy, make_policy
+from kv_offload.store.manager import OffloadManager, SlotState
+from kv_offload.store.policies import ARCPolicy, LRUPolicy, SLRUPolicy, make_policy
 
 
 class PaperARC:
@@ -201,7 +201,7 @@ def test_arc_falls_back_to_the_other_list_when_its_choice_is_pinned():
 
 def test_make_policy_accepts_names_paths_and_instances():
     assert isinstance(make_policy("lru", 3), LRUPolicy)
-    assert isinstance(make_policy("kv_offload.policies:ARCPolicy", 3), ARCPolicy)
+    assert isinstance(make_policy("kv_offload.store.policies:ARCPolicy", 3), ARCPolicy)
     instance = ARCPolicy(3)
     assert make_policy(instance, 3) is instance
     assert isinstance(make_policy("slru", 3), SLRUPolicy)

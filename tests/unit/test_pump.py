@@ -1,4 +1,4 @@
-"""The worker's pump thread (kv_offload/vllm/pump.py), on a real thread: it polls often while
+"""The worker's pump thread (kv_offload/vllm/worker/pump.py), on a real thread: it polls often while
 work is in flight and rarely while idle, and a wake runs a round at once."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kv_offload.vllm import pump as pump_module
-from kv_offload.vllm.pump import Pump
+from kv_offload.vllm.worker import pump as pump_module
+from kv_offload.vllm.worker.pump import Pump
 
 
 def count_rounds(busy: bool, seconds: float) -> int:

@@ -9,7 +9,7 @@ import torch
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError, EvictionPolicyError
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
-from kv_offload.startup_checks import FILE_HEADER_ALLOWANCE, block_bytes, check_startup
+from kv_offload.store.startup_checks import FILE_HEADER_ALLOWANCE, block_bytes, check_startup
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 GROUPS = [KVCacheGroup([f"layers.{i}" for i in range(4)], SPEC)]
@@ -64,9 +64,9 @@ def test_a_root_dir_that_is_a_file_or_cannot_be_created_is_refused(tmp_path):
 
 
 def test_the_host_pool_is_exactly_whole_slots_within_the_budget():
-    from kv_offload.backends.cpu.pool import allocate_pool
     from kv_offload.canonical import canonicalize
     from kv_offload.kernels.geometry import HostSlotLayout
+    from kv_offload.store.host.pool import allocate_pool
     from kv_offload.testing.example_models import build_example
 
     model = build_example("llama-8b", num_blocks=2)

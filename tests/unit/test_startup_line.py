@@ -31,7 +31,7 @@ def test_each_rank_logs_its_tiers_sizes_directory_and_policy_once(tmp_path, capl
 
 def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_path, caplog):
     from kv_offload.config import OffloadConfig
-    from kv_offload.vllm.worker_side import OffloadWorker
+    from kv_offload.vllm.worker.offload_worker import OffloadWorker
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)

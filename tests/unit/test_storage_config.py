@@ -18,7 +18,7 @@ from kv_offload.backends.example import DictTier
 from kv_offload.backends.filesystem import FilesystemTier
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
-from kv_offload.tiering import Location, TieredStore, layout_fingerprint
+from kv_offload.store.tiered import Location, TieredStore, layout_fingerprint
 
 EXAMPLE = "kv_offload.backends.example:DictTier"
 # Nothing listens here: parsing must not try (it would take the connect timeout or fail).

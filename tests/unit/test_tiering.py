@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize, tiering
+from kv_offload import FullAttentionSpec, KVCacheGroup, MambaSpec, canonicalize
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.config import parse_config
-from kv_offload.key_view import storage_key
+from kv_offload.store import tiered as tiering
+from kv_offload.store.key_view import storage_key
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
 from kv_offload.testing.engine_alloc import allocate_kv_caches
-from kv_offload.tiering import TieredStore, layout_fingerprint
 from kv_offload.types import Location
 
 NUM_BLOCKS = 12
@@ -190,7 +191,7 @@ def test_reset_while_reading_from_disk_serves_nothing_old_and_deletes_nothing(tm
 def test_fingerprint_changes_with_the_layer_order_and_the_file_format(monkeypatch):
     """Two models whose pages look alike but whose groups list their layers in another
     order (or an older file format) must never read each other's bytes as valid."""
-    import kv_offload.tiering as tiering
+    import kv_offload.store.tiered as tiering
 
     attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
     fingerprints = []

@@ -18,8 +18,8 @@ import torch
 from test_tiering import block_bytes, h, hybrid
 
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
-from kv_offload.policies import LRUPolicy
-from kv_offload.tiering import TieredStore, layout_fingerprint
+from kv_offload.store.policies import LRUPolicy
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
 
 FAILURES = 2
 WAIT_S = 20.0

@@ -1,5 +1,5 @@
 """A new TieredStore over a storage tier that already holds keys measures the tier's read
-throughput before any load needs it (kv_offload.tiering_probe): a read of a few stored keys
+throughput before any load needs it (kv_offload.store.probe): a read of a few stored keys
 into free host slots, then the slots are freed. Real files, real threads."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from test_tiering import block_bytes, h, hybrid, make_store, wait_for_storage
 
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.backends.filesystem.fileformat import data_offset
-from kv_offload.tiering import TieredStore, layout_fingerprint
-from kv_offload.tiering_jobs import Probe
-from kv_offload.tiering_probe import RETRY_S, ROUNDS
+from kv_offload.store.jobs import Probe
+from kv_offload.store.probe import RETRY_S, ROUNDS
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
 from kv_offload.types import Location
 
 
@@ -116,7 +116,7 @@ def test_a_corrupt_file_met_by_the_probe_is_rejected_and_forgotten(tmp_path):
 
 
 def _storage_name(store, key) -> bytes:
-    from kv_offload.key_view import storage_key
+    from kv_offload.store.key_view import storage_key
 
     return storage_key(key, store._generation)
 
@@ -177,8 +177,8 @@ def test_engines_probe_only_where_a_storage_read_can_load_in_step(tmp_path):
     from kv_offload.canonical import canonicalize
     from kv_offload.config import parse_config
     from kv_offload.specs import FullAttentionSpec, KVCacheGroup
+    from kv_offload.store.probe import PROBE_BYTES
     from kv_offload.testing.engine_alloc import allocate_kv_caches
-    from kv_offload.tiering_probe import PROBE_BYTES
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
     groups = [KVCacheGroup(["a0", "a1"], spec)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_tiering import NUM_BLOCKS, block_bytes, h, hybrid, make_store, wait_for_storage
 
-from kv_offload.key_view import storage_key
+from kv_offload.store.key_view import storage_key
 from kv_offload.types import Location
 
 

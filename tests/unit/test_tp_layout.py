@@ -13,7 +13,7 @@ import torch
 
 from kv_offload.errors import ConfigError
 from kv_offload.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
-from kv_offload.tp_layout import KVHeadShard, TPMode, group_shard, tp_mode
+from kv_offload.store.tp.layout import KVHeadShard, TPMode, group_shard, tp_mode
 
 SHAPES = [(8, 1), (8, 2), (8, 4), (8, 8), (2, 1), (2, 2), (2, 4), (2, 8), (1, 1), (1, 8),
           (16, 8), (4, 8), (32, 4)]

@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.errors import TransferError
 from kv_offload.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
+from kv_offload.store.tp.layout import group_shard
+from kv_offload.store.tp.pages import GroupUnits, group_block_pages, group_units
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.testing.example_models import (
     EXAMPLE_MODELS,
@@ -35,8 +37,6 @@ from kv_offload.testing.example_models import (
     group_layers,
     kv_heads_per_rank,
 )
-from kv_offload.tp_layout import group_shard
-from kv_offload.tp_pages import GroupUnits, group_block_pages, group_units
 
 
 def qwen2_1_5b(tp_size: int = 1) -> dict[str, KVCacheSpec]:

@@ -28,15 +28,15 @@ from test_tp_pages_property import (
     oracle_fill,
 )
 
-from kv_offload import tp_tier
 from kv_offload.backends.base import TierChanges
 from kv_offload.backends.example import DictTier
 from kv_offload.backends.filesystem import io_engine
 from kv_offload.canonical import canonicalize
 from kv_offload.config import parse_config
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
+from kv_offload.store.tp import tier as tp_tier
+from kv_offload.store.tp.records import TPShare, rank_records
 from kv_offload.testing.example_models import build_example, group_layers
-from kv_offload.tiering import TieredStore, layout_fingerprint
-from kv_offload.tp_records import TPShare, rank_records
 from kv_offload.types import Location
 
 TP_SIZES = (1, 2, 4, 8)

@@ -35,7 +35,7 @@ from test_vllm_worker_side import (  # noqa: E402
     wait_loads,
 )
 
-from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
+from kv_offload.vllm.worker.offload_worker import OffloadWorker  # noqa: E402
 
 # One step, as the sequence of worker-side calls vLLM makes ("forward" is the model's
 # forward writing this step's blocks; "draft" the drafter's forward after it).

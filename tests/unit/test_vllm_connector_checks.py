@@ -12,7 +12,7 @@ from vllm.config import CacheConfig, ParallelConfig, VllmConfig  # noqa: E402
 from kv_offload.errors import ConfigError  # noqa: E402
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, MambaSpec  # noqa: E402
 from kv_offload.vllm.connector import _refuse_unsupported  # noqa: E402
-from kv_offload.vllm.mamba_states import check_mamba_servable  # noqa: E402
+from kv_offload.vllm.scheduler.mamba_states import check_mamba_servable  # noqa: E402
 
 
 # (vLLM 0.32's V1 model runner refuses prefill context parallelism itself.)

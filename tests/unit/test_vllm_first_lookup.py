@@ -11,8 +11,8 @@ pytest.importorskip("vllm")
 
 from vllm_scheduler_helpers import full_attention, request_factory  # noqa: E402
 
-from kv_offload.vllm.rank_keys import HeldBlocks, RankKeys  # noqa: E402
-from kv_offload.vllm.scheduler_side import MAX_REPORT_WAIT_S  # noqa: E402
+from kv_offload.vllm.scheduler.offload_scheduler import MAX_REPORT_WAIT_S  # noqa: E402
+from kv_offload.vllm.scheduler.rank_keys import HeldBlocks, RankKeys  # noqa: E402
 
 
 def test_a_lookup_before_every_rank_reported_is_nothing_held():

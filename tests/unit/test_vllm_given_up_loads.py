@@ -26,7 +26,7 @@ from test_vllm_worker_side import (  # noqa: E402
 )
 
 from kv_offload.config import OffloadConfig  # noqa: E402
-from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
+from kv_offload.vllm.worker.offload_worker import OffloadWorker  # noqa: E402
 
 BOUND_S = 0.3  # the worker's copy bound under test
 

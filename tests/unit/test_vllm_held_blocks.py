@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm")
 
 from kv_offload.types import HOST_BIT  # noqa: E402
-from kv_offload.vllm.rank_keys import HeldBlocks, RankKeys  # noqa: E402
+from kv_offload.vllm.scheduler.rank_keys import HeldBlocks, RankKeys  # noqa: E402
 
 HASHES = [i.to_bytes(8, "little") for i in range(600)]  # > 2 chunks
 

@@ -19,8 +19,8 @@ from vllm_scheduler_helpers import (  # noqa: E402
     vkv,
 )
 
-from kv_offload.vllm.in_step_loads import InStepLoads  # noqa: E402
-from kv_offload.vllm.scheduler_side import OffloadScheduler  # noqa: E402
+from kv_offload.vllm.scheduler.in_step_loads import InStepLoads  # noqa: E402
+from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler  # noqa: E402
 from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
 
 BLOCK_BYTES = 8192  # one block of the group on a rank (any value: the test sets budgets)

@@ -26,7 +26,7 @@ from test_vllm_worker_side import (  # noqa: E402
 from kv_offload.config import parse_config  # noqa: E402
 from kv_offload.errors import ConfigError  # noqa: E402
 from kv_offload.types import Location  # noqa: E402
-from kv_offload.vllm.worker_side import IDLE_WAIT_S  # noqa: E402
+from kv_offload.vllm.worker.offload_worker import IDLE_WAIT_S  # noqa: E402
 
 
 def _on_disk_only(workers, tmp_path, salt: bytes, **options):
@@ -48,7 +48,7 @@ def _on_disk_only(workers, tmp_path, salt: bytes, **options):
 def test_a_rank_measures_its_read_rate_before_its_first_load_and_reports_it(workers,
                                                                             tmp_path):
     # A new process over a full directory: its storage tier is measured by a probe read
-    # (kv_offload.tiering_probe), so the first hit can already load in-step.
+    # (kv_offload.store.probe), so the first hit can already load in-step.
     _, worker, hashes, _ = _on_disk_only(workers, tmp_path, b"rate")
     poll_until(lambda: worker.report().reports[0].read_bytes_per_s > 0,
                lambda: "the rank never measured its storage tier")
@@ -108,7 +108,7 @@ def test_the_read_budget_defaults_to_50_ms_and_zero_turns_in_step_reads_off():
 
 
 def test_the_read_rate_is_the_fastest_of_the_recent_reads():
-    from kv_offload.read_rate import WINDOW, ReadRate
+    from kv_offload.store.read_rate import WINDOW, ReadRate
 
     rate = ReadRate()
     assert rate.bytes_per_s == 0.0

@@ -1,5 +1,5 @@
-"""KV events of our tiers (kv_offload/vllm/kv_events.py), driven through the scheduler side
-with vLLM's real Request, SchedulerOutput, event classes and block pool; no engine is
+"""KV events of our tiers (kv_offload/vllm/scheduler/kv_events.py), driven through the
+scheduler side with vLLM's real Request, SchedulerOutput, event classes and block pool; no engine is
 started (tests/e2e/test_kv_events.py runs the real engine and publisher)."""
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from vllm_scheduler_helpers import (  # noqa: E402
 )
 
 from kv_offload.types import KeyChange  # noqa: E402
-from kv_offload.vllm.kv_events import (  # noqa: E402
+from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport  # noqa: E402
+from kv_offload.vllm.scheduler.kv_events import (  # noqa: E402
     PENDING_STEPS,
     GroupEventSpec,
     KVEvents,
     KVEventTracker,
     group_event_specs,
 )
-from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport  # noqa: E402
-from kv_offload.vllm.rank_keys import RankKeys  # noqa: E402
+from kv_offload.vllm.scheduler.rank_keys import RankKeys  # noqa: E402
 
 FULL = GroupEventSpec(BLOCK, "full_attention")
 

@@ -1,4 +1,4 @@
-"""Layer-wise in-step loads and stores (worker_layers.py, backends/cpu/layer_copies.py) on
+"""Layer-wise in-step loads and stores (worker_layers.py, store/host/layer_copies.py) on
 real CPU tensors laid out like vLLM 0.32's CPU backend, with the real host tier and its
 real copy threads, driven in vLLM's per-layer call order: `wait_for_layer_load(i)` before
 layer i's forward, `save_kv_layer(i)` after it.
@@ -30,10 +30,10 @@ from test_vllm_worker_side import (  # noqa: E402
     store,
 )
 
-from kv_offload.backends.cpu.layer_copies import LayerSteps  # noqa: E402
 from kv_offload.config import OffloadConfig  # noqa: E402
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec  # noqa: E402
-from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
+from kv_offload.store.host.layer_copies import LayerSteps  # noqa: E402
+from kv_offload.vllm.worker.offload_worker import OffloadWorker  # noqa: E402
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 GROUPS = [KVCacheGroup(LAYERS, FullAttentionSpec(**ATTN))]

@@ -30,7 +30,7 @@ from vllm_scheduler_helpers import (  # noqa: E402
     vkv,
 )
 
-from kv_offload.vllm.store_fence import StoreFence  # noqa: E402
+from kv_offload.vllm.scheduler.store_fence import StoreFence  # noqa: E402
 
 BUSY = {"running elsewhere": 1}  # a step with a forward (a request we do not track)
 

@@ -14,11 +14,11 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from kv_offload.config import OffloadConfig  # noqa: E402
-from kv_offload.key_view import storage_key  # noqa: E402
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec  # noqa: E402
+from kv_offload.store.key_view import storage_key  # noqa: E402
 from kv_offload.testing.engine_alloc import allocate_kv_caches  # noqa: E402
 from kv_offload.types import Location  # noqa: E402
-from kv_offload.vllm.worker_side import OffloadWorker  # noqa: E402
+from kv_offload.vllm.worker.offload_worker import OffloadWorker  # noqa: E402
 
 NUM_BLOCKS = 32
 ATTN = dict(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)

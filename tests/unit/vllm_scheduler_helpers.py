@@ -17,7 +17,7 @@ from vllm.v1.request import Request
 
 from kv_offload.types import KeyChange, Location
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport
-from kv_offload.vllm.scheduler_side import OffloadScheduler
+from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
 from kv_offload.vllm.spec_translation import translate_groups
 
 ABSENT, IN_HOST, ON_DISK = Location.ABSENT, Location.HOST, Location.STORAGE

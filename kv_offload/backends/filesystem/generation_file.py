@@ -1,6 +1,6 @@
 """The layout directory's generation record: one small file, replaced by rename.
 
-A connector reset starts a new key generation (``kv_offload.key_view``); the tiering layer
+A connector reset starts a new key generation (``kv_offload.store.key_view``); the tiering layer
 seals it into a record and hands it to ``write_generation``, which lands it here, in the
 layout directory every engine of this layout opens, so an engine that restarts reads it back
 and never serves keys stored before the reset. Written to a temporary name (the tier's

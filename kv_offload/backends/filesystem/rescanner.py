@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fanout_scan import FanoutScanner
@@ -40,6 +39,7 @@ from kv_offload.backends.filesystem.root_budget import (
     fit_root,
     touch_heartbeat,
 )
+from kv_offload.runtime.affinity import join_our_cpus
 
 logger = logging.getLogger(__name__)
 

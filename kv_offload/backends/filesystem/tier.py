@@ -40,7 +40,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     Repack,
     StorageTier,
@@ -79,6 +78,7 @@ from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.backends.rejections import Rejections
 from kv_offload.config import format_size
 from kv_offload.errors import TierClosedError
+from kv_offload.runtime.affinity import join_our_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,6 @@ from collections.abc import Sequence
 import torch
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
@@ -75,6 +74,7 @@ from kv_offload.backends.s3.listing import PrefixListing
 from kv_offload.backends.s3.remote_client import HelperClient
 from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.config import format_size
+from kv_offload.runtime.affinity import join_our_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv_offload.affinity import join_our_cpus
 from kv_offload.backends.base import (
     StorageTier,
     TierChanges,
@@ -83,6 +82,7 @@ from kv_offload.backends.valkey.crawl import ServerCrawl
 from kv_offload.backends.valkey.feed import KeyspaceFeed
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
 from kv_offload.backends.valkey.reads import ValkeyReads
+from kv_offload.runtime.affinity import join_our_cpus
 
 logger = logging.getLogger(__name__)
 

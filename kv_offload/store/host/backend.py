@@ -43,16 +43,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_offload.backends.cpu.layer_copies import LayerCopier, LayerSteps, layer_cut_refusal
-from kv_offload.backends.cpu.pool import allocate_pool, cuda_present, release_pinned
-from kv_offload.backends.cpu.prefault import PoolPrefaulter
-from kv_offload.backends.cpu.slots import SlotMap
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import TierClosedError, TransferError
 from kv_offload.kernels import BlockCopier, HostSlotLayout
 from kv_offload.kernels.cpu import CopyOverrun
 from kv_offload.kernels.plan import CopyPlan, IdsLike, id_array
 from kv_offload.kernels.runtime import CudaRuntime, EngineReady
+from kv_offload.store.host.layer_copies import LayerCopier, LayerSteps, layer_cut_refusal
+from kv_offload.store.host.pool import allocate_pool, cuda_present, release_pinned
+from kv_offload.store.host.prefault import PoolPrefaulter
+from kv_offload.store.host.slots import SlotMap
 from kv_offload.transfer import BlockTransfer, Direction, TransferJob, TransferResult
 from kv_offload.types import Transfers
 

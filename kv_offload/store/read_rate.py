@@ -11,10 +11,11 @@ new process, 16 MiB reads): the first read took 3 s (5 MB/s), later asynchronous
 100 to 600 MB/s.
 
 The workers report the figure and the scheduler side uses it to decide whether a hit read
-from the storage tier is quick enough to load inside the step (`kv_offload.vllm.in_step_loads`).
+from the storage tier is quick enough to load inside the step
+(`kv_offload.vllm.scheduler.in_step_loads`).
 Until the first read lands the rate is unknown (0) and such hits load asynchronously; a new
 store whose storage tier already holds keys measures it with a probe read before any load
-needs it (`kv_offload.tiering_probe`), so even the first hit after a restart can load in-step.
+needs it (`kv_offload.store.probe`), so even the first hit after a restart can load in-step.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The worker's records of the jobs it submitted, and what each finished job adds to the
-stats (one concern out of `worker_side.py`: bookkeeping, no locking, no tensors)."""
+stats (one concern out of `worker/offload_worker.py`: bookkeeping, no locking, no tensors)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_offload.tiering_jobs import TieredResult
+from kv_offload.store.jobs import TieredResult
 from kv_offload.types import Direction
 from kv_offload.vllm.stats import KVOffloadStats
 
@@ -21,7 +21,7 @@ class Job:
     abandoned: bool = False  # a store the engine stopped waiting for
     in_step: bool = False  # a load finished before this step's forward (see in_step_loads.py)
     block_ids: list[int] = field(default_factory=list)  # in-step loads: its engine blocks
-    layers: Any = None  # a load copied layer by layer: its LayerSteps (worker_layers.py)
+    layers: Any = None  # a load copied layer by layer: its LayerSteps (worker/layers.py)
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 
 Above any `StorageTier` (filesystem, Valkey, S3, a plug-in: their contract is unchanged),
 this tier speaks rank keys and host slot buffers to `TieredStore`, as every tier does, and
-TP-free records (`tp_records`) to the tier below:
+TP-free records (`tp.records`) to the tier below:
 
 - **write** of a rank key: a head-sharded group's writer rank writes its own record (the
   slot buffer itself where the record's order is the page's: LBHNC and LBNHC pages with dense
-  slots, `tp_records.own_record`; else packed into a buffer of its own);
+  slots, `tp.records.own_record`; else packed into a buffer of its own);
   a replica that does not write (the MLA latent, replicated heads on ranks other than the
   first) writes nothing and reports success: the first replica writes the same bytes. Until
   it has, only this rank believes the block stored, and a hit needs every rank. Per-shape
@@ -49,7 +49,7 @@ from kv_offload.backends.base import (
     TierStats,
     check_tier_request,
 )
-from kv_offload.tp_records import CoverPart, GroupRecords, RankRecords, aligned_buffer
+from kv_offload.store.tp.records import CoverPart, GroupRecords, RankRecords, aligned_buffer
 
 
 @dataclass

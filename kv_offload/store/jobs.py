@@ -109,7 +109,7 @@ class WriteThrough:
 @dataclass
 class Probe:
     """Storage keys read into free host slots to measure the storage tier before any load
-    needs it (`kv_offload.tiering_probe`); no load waits for them."""
+    needs it (`kv_offload.store.probe`); no load waits for them."""
 
     keys: tuple[OffloadKey, ...]
     generation: bytes

@@ -24,8 +24,8 @@ from typing import Any
 
 from kv_offload.config import OffloadConfig, parse_config
 from kv_offload.errors import ConfigError
-from kv_offload.policies import make_policy
 from kv_offload.specs import KVCacheGroup
+from kv_offload.store.policies import make_policy
 
 FILE_HEADER_ALLOWANCE = 8192  # a block file's header, rounded up to O_DIRECT alignment
 

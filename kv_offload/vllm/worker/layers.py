@@ -2,7 +2,7 @@
 
 vLLM calls `wait_for_layer_load(layer)` before each attention layer's forward and
 `save_kv_layer(layer)` after it (`maybe_transfer_kv_layer`). When the canonical view can be
-cut per layer (`backends/cpu/layer_copies.py`) and `layer_wise` is on:
+cut per layer (`store/host/layer_copies.py`) and `layer_wise` is on:
 - an **in-step load** is submitted in `start_load_kv` and copied a layer at a time, in the
   forward's layer order, on our copy threads; `start_load_kv` returns at once and
   `wait_for_layer_load(i)` waits only until layer i of every in-step load is in engine
@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kv_offload.backends.cpu.layer_copies import LayerSteps, layer_cut_refusal
 from kv_offload.specs import KVCacheSpec
+from kv_offload.store.host.layer_copies import LayerSteps, layer_cut_refusal
 from kv_offload.types import GroupBlocks
 
 logger = logging.getLogger(__name__)

@@ -38,24 +38,24 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from kv_offload.affinity import spread_threads
-from kv_offload.backends.cpu.layer_copies import LayerSteps
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
-from kv_offload.faults import FaultLog
+from kv_offload.runtime.affinity import spread_threads
+from kv_offload.runtime.faults import FaultLog
 from kv_offload.specs import KVCacheGroup
-from kv_offload.tiering import TieredStore, layout_fingerprint
-from kv_offload.tiering_jobs import TieredResult
-from kv_offload.tp_records import TPShare, rank_records
+from kv_offload.store.host.layer_copies import LayerSteps
+from kv_offload.store.jobs import TieredResult
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
+from kv_offload.store.tp.records import TPShare, rank_records
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
-from kv_offload.vllm.exit_hook import at_interpreter_exit
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
-from kv_offload.vllm.pump import Pump
 from kv_offload.vllm.stats import KVOffloadStats
-from kv_offload.vllm.worker_in_step import InStepLoadsOfWorker
-from kv_offload.vllm.worker_jobs import Job, Outcome, record_outcome
-from kv_offload.vllm.worker_layers import LayerWiseOfWorker
-from kv_offload.vllm.worker_lifecycle import LifecycleOfWorker
+from kv_offload.vllm.worker.exit_hook import at_interpreter_exit
+from kv_offload.vllm.worker.in_step import InStepLoadsOfWorker
+from kv_offload.vllm.worker.jobs import Job, Outcome, record_outcome
+from kv_offload.vllm.worker.layers import LayerWiseOfWorker
+from kv_offload.vllm.worker.lifecycle import LifecycleOfWorker
+from kv_offload.vllm.worker.pump import Pump
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         self.config = config
         # KV events announce storage copies too (a report entry per key): only if published.
         self.report_storage_copies = report_storage_copies
-        self.engine_pins_threads = engine_pins_threads  # (vLLM's CPU worker: see affinity.py)
+        # (vLLM's CPU worker: see runtime/affinity.py)
+        self.engine_pins_threads = engine_pins_threads
         self.rank, self.fingerprint_extra = rank, fingerprint_extra
         # TP-free records in the storage tier (None: this rank's own namespace, as a tool
         # or test without a TP identity opens it).
@@ -201,7 +202,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                     ) -> None:
         """Start this step's loads; `failed`: loads the scheduler could not plan; `in_step`:
         loads finished before returning, or layer-wise before each layer's forward
-        (worker_layers.py): vLLM runs their requests in this step. Their blocks that did not
+        (worker/layers.py): vLLM runs their requests in this step. Their blocks that did not
         arrive, and `failed_blocks` (unplanned in-step loads), go to `take_block_errors`."""
         deadline = time.monotonic() + self.copy_timeout_s  # (in-step: one bound per step)
         with self._lock:

@@ -12,7 +12,7 @@ before it is served after it, without deleting a file (other engines may be read
 old generations age out under the storage tier's budget). Generation 0 is the one every
 engine starts in, so engines sharing a directory, and restarts, share their keys; after a
 reset the storage tier keeps the new generation and engines that start later begin there
-(`kv_offload.generations`), so a restart does not bring pre-reset keys back.
+(`kv_offload.store.generations`), so a restart does not bring pre-reset keys back.
 
 Storage key layout: 8 bytes of generation, 2 bytes of group (little endian), the block
 hash (int hashes as 32 bytes, little endian).

@@ -72,10 +72,10 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-from kv_offload.faults import FaultLog
+from kv_offload.runtime.faults import FaultLog
 from kv_offload.types import HOST_BIT, STORAGE_BIT, OffloadKey
 from kv_offload.vllm.metadata import RankReport
-from kv_offload.vllm.rank_keys import RankKeys
+from kv_offload.vllm.scheduler.rank_keys import RankKeys
 
 logger = logging.getLogger(__name__)
 

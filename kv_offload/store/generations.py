@@ -1,7 +1,7 @@
 """Key generations that outlive the process: a connector reset survives a restart.
 
 A reset (`TieredStore.reset`) starts a new random storage-key generation so that nothing stored
-before it is served after it (`kv_offload.key_view`). Kept in memory only, a restarted engine
+before it is served after it (`kv_offload.store.key_view`). Kept in memory only, a restarted engine
 would start again at `FIRST_GENERATION` and serve the pre-reset keys. So the generation is
 also written to the storage tier itself (`StorageTier.write_generation`: a small record in the
 tier's layout namespace, where every engine sharing the store looks), and read back at
@@ -29,7 +29,7 @@ import logging
 
 from kv_offload.backends.base import StorageTier
 from kv_offload.backends.record import NETWORK_ALIGN, RecordCodec, pack, unpack_into
-from kv_offload.key_view import FIRST_GENERATION, GENERATION_BYTES
+from kv_offload.store.key_view import FIRST_GENERATION, GENERATION_BYTES
 
 logger = logging.getLogger("kv_offload")
 

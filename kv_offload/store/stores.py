@@ -26,8 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kv_offload.key_view import storage_key
-from kv_offload.tiering_jobs import (
+from kv_offload.store.jobs import (
     Store,
     StorePiece,
     TieredResult,
@@ -36,6 +35,7 @@ from kv_offload.tiering_jobs import (
     host_copies_of,
     transfers,
 )
+from kv_offload.store.key_view import storage_key
 from kv_offload.types import Direction, OffloadKey
 
 

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from kv_offload.affinity import join_our_cpus
+from kv_offload.runtime.affinity import join_our_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ An asynchronous load parks its request in vLLM's WAITING_FOR_REMOTE_KVS until th
 reports back: at least one more scheduler step before the prefill, which is most of what a
 hit cost beyond vLLM's own prefix hit. An in-step load is planned in the same step instead:
 vLLM calls `start_load_kv` before that step's forward, the worker finishes the copies (and
-reads) before returning (or, layer-wise, before each layer's forward: worker_layers.py), and
+reads) before returning (or, layer-wise, before each layer's forward: worker/layers.py), and
 the forward runs the request's prefill on the loaded blocks.
 
 A hit loads in-step only when that is both safe and cheap (else asynchronously, as before):
@@ -13,10 +13,10 @@ A hit loads in-step only when that is both safe and cheap (else asynchronously, 
   in host memory; the worker's load waits for that store's copy, bounded, and fails the
   block if the store does not land); or, for the blocks that must be read from the storage
   tier (disk, a shared store), the read is expected to take at most `in_step_read_s`: those
-  bytes on a rank over that rank's measured read throughput (`kv_offload.read_rate`, in
+  bytes on a rank over that rank's measured read throughput (`kv_offload.store.read_rate`, in
   each rank's report), the slowest rank deciding. A rank that has not yet read anything
   has no figure: asynchronous (a probe read at start-up measures a storage tier that
-  already holds keys: kv_offload.tiering_probe; else its first read measures the tier).
+  already holds keys: kv_offload.store.probe; else its first read measures the tier).
   A read inside the step stalls every request of the batch for its duration, so large
   reads stay asynchronous;
 - no rank reports a stalled copy (an in-step load it gave up at `copy_timeout_s` still runs):
@@ -50,7 +50,7 @@ from typing import Any
 
 from kv_offload.specs import KVCacheSpec, MambaSpec
 from kv_offload.types import HOST_BIT
-from kv_offload.vllm.rank_keys import RankKeys
+from kv_offload.vllm.scheduler.rank_keys import RankKeys
 
 
 class InStepLoads:

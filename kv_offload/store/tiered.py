@@ -6,7 +6,7 @@ found only in the storage tier is read into a host slot, then copied into the en
 a host hit. A load larger than the host tier is staged: its storage keys are read in
 batches of at most `staging_slots`, each batch copied into the engine and released before
 the next, so the storage tier's capacity, not the host tier's, bounds what can be served.
-A store larger than the host room is staged the same way (`tiering_stores`): copied a piece
+A store larger than the host room is staged the same way (`store.stores`): copied a piece
 at a time as write-throughs of earlier pieces free host slots, so it reaches the storage
 tier whole.
 
@@ -34,24 +34,15 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 from kv_offload.backends.base import StorageTier, TierStats
-from kv_offload.backends.cpu import CpuBackend
-from kv_offload.backends.cpu.layer_copies import LayerSteps
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig, format_size
-from kv_offload.faults import FaultLog
-from kv_offload.generations import read_stored_generation, write_stored_generation
 from kv_offload.kernels.runtime import EngineReady
-from kv_offload.key_view import (
-    FIRST_GENERATION,
-    KeyView,
-    new_generation,
-    offload_key,
-    storage_key,
-)
-from kv_offload.manager import OffloadManager, SlotState
-from kv_offload.read_rate import ReadRate
-from kv_offload.tiering_jobs import (
+from kv_offload.runtime.faults import FaultLog
+from kv_offload.store.generations import read_stored_generation, write_stored_generation
+from kv_offload.store.host import CpuBackend
+from kv_offload.store.host.layer_copies import LayerSteps
+from kv_offload.store.jobs import (
     Load,
     Probe,
     Read,
@@ -62,10 +53,19 @@ from kv_offload.tiering_jobs import (
     TierUsage,
     targets_of,
 )
-from kv_offload.tiering_loads import LoadPipeline
-from kv_offload.tiering_probe import ReadProbe, probe_bytes_for
-from kv_offload.tiering_stores import StorePipeline
-from kv_offload.tp_records import RankRecords
+from kv_offload.store.key_view import (
+    FIRST_GENERATION,
+    KeyView,
+    new_generation,
+    offload_key,
+    storage_key,
+)
+from kv_offload.store.loads import LoadPipeline
+from kv_offload.store.manager import OffloadManager, SlotState
+from kv_offload.store.probe import ReadProbe, probe_bytes_for
+from kv_offload.store.read_rate import ReadRate
+from kv_offload.store.stores import StorePipeline
+from kv_offload.store.tp.records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
 ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
@@ -103,7 +103,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         self.faults = FaultLog("kv-offload tiers")
         self.view = KeyView(report_storage_copies=report_storage_copies)
         # The storage key generation: the one the storage tier keeps (a reset before a
-        # restart stays in force; see kv_offload.generations). `codec` and `fingerprint`
+        # restart stays in force; see kv_offload.store.generations). `codec` and `fingerprint`
         # seal that record as the tier's own records are sealed.
         self._codec, self._fingerprint = codec, fingerprint
         self._generation = FIRST_GENERATION
@@ -143,10 +143,10 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
                     fingerprint: str, *, records: RankRecords | None = None,
                     report_storage_copies: bool = False) -> TieredStore:
         """`records`: keep TP-free records in the storage tier, namespaced by their shared
-        fingerprint (`tp_records`); None: this rank's pages under `fingerprint`."""
+        fingerprint (`tp.records`); None: this rank's pages under `fingerprint`."""
         from kv_offload.backends import make_storage_tier
         from kv_offload.backends.sealing import make_codec
-        from kv_offload.tp_tier import TPRecordTier
+        from kv_offload.store.tp.tier import TPRecordTier
 
         codec = make_codec(config.secret_file, config.encrypt)
         if records is not None:
@@ -247,7 +247,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
     def submit_store(self, requests: GroupBlocks, ready: EngineReady | None = None,
                      layers: LayerSteps | None = None) -> int:
         """Copy engine blocks into host slots (then write through). Keys already held are
-        skipped. A store larger than the host room is staged (`tiering_stores`): the job
+        skipped. A store larger than the host room is staged (`store.stores`): the job
         ends once every key is in a slot; keys that cannot get room are `skipped`. On a
         GPU every piece's copy waits for `ready` (an event on the engine's stream after the
         forward that wrote the blocks; `CpuBackend.engine_ready()`), also pieces submitted

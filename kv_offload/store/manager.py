@@ -32,7 +32,7 @@ from enum import Enum
 from typing import Literal
 
 from kv_offload.errors import EvictionPolicyError, OffloadStateError
-from kv_offload.policies import EvictionPolicy, LRUPolicy, make_policy
+from kv_offload.store.policies import EvictionPolicy, LRUPolicy, make_policy
 from kv_offload.types import OffloadKey
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,13 @@ class OffloadManager:
         self._entries: dict[OffloadKey, _Entry] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         # Every slot ever handed out is below this (freed slots are reused first, so the
-        # host pool's pages past it were never written: `backends/cpu/prefault.py`).
+        # host pool's pages past it were never written: `store/host/prefault.py`).
         self.high_water = 0
         self._num_evictable = 0  # READY, unpinned, not dropped
         self._events: list[OffloadEvent] = []
         self.policy_failures = 0  # plug-in policies replaced by LRU after a fault
         # Counts what can make a STORING key READY or ABSENT (a completed store, a reset):
-        # a waiter for such keys re-checks them only once this moved (`tiering_loads`).
+        # a waiter for such keys re-checks them only once this moved (`store.loads`).
         self.settled = 0
 
     # --- queries ---

@@ -5,7 +5,7 @@ engine memory, so a report lags the plans by a step or more. `ReportLag` remembe
 plan step, the keys stored and any reset, and the last step every rank says its reports
 reflect (`RankReport.reflected_step`). A lookup counts the keys of stores planned and not
 yet reflected as held in host memory on every rank (`planned`): the worker that receives a
-load of such a key waits for that store (`tiering_loads`), and if the store does not land
+load of such a key waits for that store (`store.loads`), and if the store does not land
 the load fails that block (a recompute). Once a step is reflected its keys leave `planned`
 and the ranks' reports say whether they are held (a failed store is then simply absent).
 A lookup during a reset waits for the reset's report instead.

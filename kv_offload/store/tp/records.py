@@ -19,7 +19,7 @@ platform) and copy their part anyway.
 
 Its key is the rank key (generation, group, block hash; `key_view.storage_key`) followed by
 the order's tag byte (`RecordOrder`) and the range (2 + 2 bytes, little endian). A rank
-writes one record per block and group: its own heads (vLLM's rule, `tp_layout.KVHeadShard`),
+writes one record per block and group: its own heads (vLLM's rule, `tp.layout.KVHeadShard`),
 or none when another replica of its heads writes them (replicated heads when TP > KV heads,
 the MLA latent: only the first replica writes). So at the writer's own TP size record counts
 and sizes are what they are for plain pages.
@@ -34,7 +34,7 @@ for each divisor d of H, the aligned ranges `[k*d, (k+1)*d)` that meet `[lo, hi)
 sizes 8, 4, 2, 1), each in both orders. A block is present for the rank only when its
 candidates cover every head it needs (a bit per candidate, `cover` memoised per bit set).
 
-Groups that stay per TP shape (`tp_layout.TPMode.PER_SHAPE`: Mamba-type states,
+Groups that stay per TP shape (`tp.layout.TPMode.PER_SHAPE`: Mamba-type states,
 cross-attention, pages we cannot map) store this rank's slot bytes as before, under the rank
 key followed by `SHAPE_TAG` and 8 bytes of the per-rank layout fingerprint (TP size, rank,
 page sizes, page layout, ...): another shape never reads them (a miss).
@@ -61,8 +61,8 @@ from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import CanonicalizationError, ConfigError, TransferError
 from kv_offload.kernels.geometry import HostSlotLayout
 from kv_offload.specs import KVCacheGroup, KVCacheSpec
-from kv_offload.tp_layout import KVHeadShard, group_shard, tp_mode
-from kv_offload.tp_pages import AttentionPageFormat, group_units
+from kv_offload.store.tp.layout import KVHeadShard, group_shard, tp_mode
+from kv_offload.store.tp.pages import AttentionPageFormat, group_units
 
 RECORD_FORMAT = 1  # bump when a record's bytes or key change meaning (joins the fingerprint)
 SHAPE_TAG = b"\x02"

@@ -1,4 +1,4 @@
-"""Byte mapping between a rank's engine pages and TP-free head units (see `tp_layout`).
+"""Byte mapping between a rank's engine pages and TP-free head units (see `tp.layout`).
 
 A rank's page of one attention layer for one manager block, as the canonical view holds it
 (`CanonicalRef`: `page_size_bytes` real bytes at `offset_bytes`), is vLLM 0.32's 4-D cache
@@ -29,7 +29,7 @@ import torch
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.errors import CanonicalizationError, TransferError
 from kv_offload.specs import AttentionSpec, KVCacheGroup, dtype_size
-from kv_offload.tp_layout import KVHeadShard
+from kv_offload.store.tp.layout import KVHeadShard
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,15 @@ from typing import Any
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import HOST_BIT, GroupBlocks, Location, OffloadKey
-from kv_offload.vllm.block_tables import track_block_ids
-from kv_offload.vllm.in_step_loads import InStepLoads
-from kv_offload.vllm.kv_events import KVEvents
-from kv_offload.vllm.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kv_offload.vllm.rank_keys import HeldBlocks, RankKeys
-from kv_offload.vllm.report_lag import ReportLag
-from kv_offload.vllm.scheduler_recovery import SchedulerRecovery
-from kv_offload.vllm.store_fence import StoreFence
+from kv_offload.vllm.scheduler.block_tables import track_block_ids
+from kv_offload.vllm.scheduler.in_step_loads import InStepLoads
+from kv_offload.vllm.scheduler.kv_events import KVEvents
+from kv_offload.vllm.scheduler.mamba_states import BoundaryStateStores, offers_of
+from kv_offload.vllm.scheduler.rank_keys import HeldBlocks, RankKeys
+from kv_offload.vllm.scheduler.recovery import SchedulerRecovery
+from kv_offload.vllm.scheduler.report_lag import ReportLag
+from kv_offload.vllm.scheduler.store_fence import StoreFence
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports

@@ -6,7 +6,7 @@ stored by a TP=2 server means nothing to a TP=1 or TP=4 server. Keyed by the par
 copy per shape. Here the stored unit is one **KV head of one block of one cache group**: for
 every layer of the group (in the group's layer order), that head's `[tokens, K|V]` rows,
 token-major. The unit does not depend on the TP size, the rank, the engine's page layout
-(LBNHC or LBHNC) or its kernel block size; `kv_offload.tp_pages` maps a rank's engine pages to
+(LBNHC or LBHNC) or its kernel block size; `kv_offload.store.tp.pages` maps a rank's engine pages to
 units and back (pure functions, proven by property tests against engines allocated per rank
 as vLLM 0.32 allocates them: `tests/unit/test_tp_pages_property.py`).
 
@@ -23,7 +23,7 @@ and TP size T:
 Shapes vLLM refuses (H=6 at T=4, H=3 at T=2, H=6 at T=8) are refused here too
 (`ConfigError`): there is no vLLM page to map them to.
 
-**Writes and reads** (wired into the connector by `tp_records` / `tp_tier`). The storage tier
+**Writes and reads** (wired into the connector by `tp.records` / `tp.tier`). The storage tier
 holds **records**: a contiguous head range of one block of one group, layer by layer, each
 layer's rows in the order the writer's pages have (head-major: the units back to back, as
 in an LBHNC page; token-major: the units' rows interleaved per token, as in an LBNHC page), so
@@ -31,7 +31,7 @@ a writer at its own TP size stores one record per block and group, as many value
 before, and each is the host slot's own bytes. A rank reads every head it holds. A head is
 written by exactly one rank, the first that holds it (`r % replicas == 0`): replicated heads
 and MLA latents are stored once, not T/H times. A rank reads its own range's record, else a
-larger record containing it, else smaller ones tiling it (`tp_records.GroupRecords.cover`).
+larger record containing it, else smaller ones tiling it (`tp.records.GroupRecords.cover`).
 A block of a group counts as cached for a rank only when every unit it needs is present
 (`units_needed`); a rank never assembles a page from part of its heads (a miss: the engine
 recomputes). The host tier stays per rank (rank pages, in-process).

@@ -36,9 +36,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kv_offload.key_view import storage_key
-from kv_offload.manager import SlotState
-from kv_offload.tiering_jobs import Load, Read, TieredResult, blocks_of, host_copies_of, transfers
+from kv_offload.store.jobs import Load, Read, TieredResult, blocks_of, host_copies_of, transfers
+from kv_offload.store.key_view import storage_key
+from kv_offload.store.manager import SlotState
 from kv_offload.types import Direction, Location, OffloadKey
 
 

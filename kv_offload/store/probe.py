@@ -1,7 +1,7 @@
 """How `TieredStore` measures its storage tier before the first load needs it.
 
 Whether a hit read from the storage tier may load inside the step is decided on the tier's
-measured read throughput (`kv_offload.read_rate`), and until this rank has read something
+measured read throughput (`kv_offload.store.read_rate`), and until this rank has read something
 there is no figure: the hit loads asynchronously, which costs it an extra scheduler step or
 more. In a new engine process over a full disk directory (an operator restarting a node),
 that was the first hit of every request stream: measured with the real vLLM CPU engine
@@ -29,9 +29,9 @@ import time
 from collections.abc import Sequence
 
 from kv_offload.config import OffloadConfig
-from kv_offload.key_view import storage_key
-from kv_offload.manager import SlotState
-from kv_offload.tiering_jobs import Probe
+from kv_offload.store.jobs import Probe
+from kv_offload.store.key_view import storage_key
+from kv_offload.store.manager import SlotState
 from kv_offload.types import Direction
 
 PROBE_BYTES = 8 << 20  # the measured probe read; about what a 16k-token hit reads per rank

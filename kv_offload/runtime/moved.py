@@ -1,0 +1,85 @@
+"""Old import paths of modules that moved (issue 44's layout), kept for one release.
+
+`import kv_offload.tiering` (or `kv_offload.policies:ARCPolicy` in a config) still works: a
+finder on `sys.meta_path` answers the old name with a thin module that forwards every
+attribute to the module's new home and warns once, with a `DeprecationWarning` naming it.
+The classes are the new module's own (same objects: `isinstance` and pickling see one
+class). Nothing is imported until an old name is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from typing import Any
+
+REMOVED_IN = "0.2"
+MOVED: dict[str, str] = {  # old module -> its new home
+    "kv_offload.affinity": "kv_offload.runtime.affinity",
+    "kv_offload.faults": "kv_offload.runtime.faults",
+    "kv_offload.secret_file": "kv_offload.runtime.secret_file",
+    "kv_offload.tiering": "kv_offload.store.tiered",
+    "kv_offload.tiering_jobs": "kv_offload.store.jobs",
+    "kv_offload.tiering_loads": "kv_offload.store.loads",
+    "kv_offload.tiering_stores": "kv_offload.store.stores",
+    "kv_offload.tiering_probe": "kv_offload.store.probe",
+    "kv_offload.manager": "kv_offload.store.manager",
+    "kv_offload.policies": "kv_offload.store.policies",
+    "kv_offload.key_view": "kv_offload.store.key_view",
+    "kv_offload.generations": "kv_offload.store.generations",
+    "kv_offload.read_rate": "kv_offload.store.read_rate",
+    "kv_offload.startup_checks": "kv_offload.store.startup_checks",
+    "kv_offload.tp_layout": "kv_offload.store.tp.layout",
+    "kv_offload.tp_pages": "kv_offload.store.tp.pages",
+    "kv_offload.tp_records": "kv_offload.store.tp.records",
+    "kv_offload.tp_tier": "kv_offload.store.tp.tier",
+    "kv_offload.backends.cpu": "kv_offload.store.host",
+    "kv_offload.backends.cpu.backend": "kv_offload.store.host.backend",
+    "kv_offload.backends.cpu.layer_copies": "kv_offload.store.host.layer_copies",
+    "kv_offload.backends.cpu.pool": "kv_offload.store.host.pool",
+    "kv_offload.backends.cpu.prefault": "kv_offload.store.host.prefault",
+    "kv_offload.backends.cpu.slots": "kv_offload.store.host.slots",
+}
+
+
+class _Forward(types.ModuleType):
+    """A module that is another module's old name: attributes come from the new one."""
+
+    def __init__(self, old: str, new: types.ModuleType) -> None:
+        super().__init__(old, new.__doc__)
+        self._new = new
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._new, name)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._new)
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self,
+                                              is_package=fullname == "kv_offload.backends.cpu")
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        new = MOVED[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}; the old name goes in kv-offload "
+                      f"{REMOVED_IN}: import {new}", DeprecationWarning, stacklevel=2)
+        return _Forward(spec.name, importlib.import_module(new))
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def install() -> None:
+    """Answer the old names (once per process), before any other finder: no file has them
+    any more, and an editable install's finder would find a stale checkout's."""
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())
