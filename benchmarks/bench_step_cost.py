@@ -64,8 +64,15 @@ import kv_offload
 from kv_offload.config import OffloadConfig
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from kv_offload.testing.engine_alloc import allocate_kv_caches
-from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
-from kv_offload.vllm.worker import offload_worker as worker_side
+
+try:  # the package's layout since issue 44
+    from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
+except ImportError:  # an older tree (--before)
+    from kv_offload.vllm.scheduler_side import OffloadScheduler
+try:
+    from kv_offload.vllm.worker import offload_worker as worker_side
+except ImportError:
+    from kv_offload.vllm import worker_side
 
 BLOCK = 16
 ATTN = dict(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)

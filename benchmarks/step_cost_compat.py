@@ -17,17 +17,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_offload.config import OffloadConfig
-from kv_offload.vllm.worker.offload_worker import OffloadWorker
+
+try:  # the package's layout since issue 44
+    from kv_offload.vllm.worker.offload_worker import OffloadWorker
+except ImportError:  # an older tree (--before)
+    from kv_offload.vllm.worker_side import OffloadWorker
 
 try:  # the current tree: the tier interface with its change-feed hook
     from kv_offload.backends.base import StorageTier, TierChanges, TierJobResult, TierStats
-    from kv_offload.store.key_view import storage_key as _storage_key
+
+    try:
+        from kv_offload.store.key_view import storage_key as _storage_key
+    except ImportError:  # before the layout (issue 44)
+        from kv_offload.key_view import storage_key as _storage_key
     from kv_offload.types import KeyChange, Location
     from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport
 
     API = "change feed"
 except ImportError:  # commit 2505ae9: no change feed
-    from kv_offload.store.tiered import storage_key as _storage_key
+    from kv_offload.tiering import storage_key as _storage_key
     from kv_offload.transfer import StorageTier, TierJobResult
     from kv_offload.vllm.metadata import IN_HOST, KVOffloadWorkerMetadata
 

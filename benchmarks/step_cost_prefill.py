@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from step_cost_compat import host_report
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
+try:  # the package's layout since issue 44
+    from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
+except ImportError:  # an older tree (--before)
+    from kv_offload.vllm.scheduler_side import OffloadScheduler
 
 
 @dataclass(frozen=True)

@@ -299,8 +299,11 @@ def _writer(kind: str, where: str, block_bytes: int, rate: float, count: int,
     0 = until SIGTERM), appending {"key", "t"} lines to ``log`` once each write landed."""
     try:  # (the tree under test's key shape; not via step_cost_compat: it imports vLLM)
         from kv_offload.store.key_view import storage_key
-    except ImportError:  # an older tree (--before)
-        from kv_offload.store.tiered import storage_key
+    except ImportError:  # an older tree (--before): before the layout, or before key_view
+        try:
+            from kv_offload.key_view import storage_key
+        except ImportError:
+            from kv_offload.tiering import storage_key
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
