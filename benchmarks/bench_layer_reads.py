@@ -3,7 +3,7 @@
 A disk hit of bench_ttft's Llama-like model is 62 block files of 256 KiB (8 layers of
 32 KiB each, after a 4 KiB header). Today the tier reads each file whole, and the forward
 starts when all are in: vLLM's own hit plus the reads. The design left for the 1.5x goal
-(docs/benchmarks.md) reads every file's layer-0 range first, then layer 1, ..., so the
+(docs/benchmarks-log/ttft.md) reads every file's layer-0 range first, then layer 1, ..., so the
 forward of layer i could run while later layers arrive. This measures, on real files with
 O_DIRECT and the tier's 8 reader threads, side by side in one process:
 
