@@ -261,3 +261,36 @@ def test_the_tiers_page_gives_each_storage_option_its_real_default(config, headi
                 assert shown[i] == _documented_literal(default), (name, cells[2], default)
             checked += 1
     assert checked >= 6
+
+
+MAX_PAGE_LINES = 600
+_SESSION_WORDING = re.compile(  # a session of work named relative to another ("this stop")
+    r"\b(this|last|next|previous|later|first|second|third|fourth)\s+stop\b|\bstop\s+before\b",
+    re.IGNORECASE)
+
+
+def test_no_documentation_page_is_longer_than_600_lines():
+    # (docs/benchmarks.md grew to 2,416 lines of run-by-run notes: history goes to
+    # docs/benchmarks-log/, split by area so that each page stays readable)
+    long_pages = {}
+    for path in sorted((REPO / "docs").rglob("*.md")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_PAGE_LINES:
+            long_pages[str(path.relative_to(REPO))] = lines
+    assert long_pages == {}
+
+
+def session_wording(text: str, page: str) -> list[str]:
+    """Where `text` names a session of work instead of a date, as 'page:line'."""
+    return [f"{page}:{text.count(chr(10), 0, match.start()) + 1}"
+            for match in _SESSION_WORDING.finditer(text)]
+
+
+def test_pages_date_their_figures_instead_of_naming_work_sessions():
+    # "this stop" / "last stop" meant nothing to a reader once the next session began:
+    # figures say their date (and the log its commit) instead
+    assert session_wording("ok\nas the last\nstop measured", "p.md") == ["p.md:2"]
+    assert session_wording("vLLM stops the engine; run(start, stop)", "p.md") == []
+    found = [where for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+             for where in session_wording(path.read_text(), str(path.relative_to(REPO)))]
+    assert found == []
