@@ -64,6 +64,14 @@ class StorePiece:
 
 
 @dataclass
+class LoadPiece:
+    """Keys of a load being copied from host slots into the engine."""
+
+    load: Load
+    keys: list[OffloadKey]
+
+
+@dataclass
 class Load:
     """A load: host keys copied at once, storage keys read in batches (`waiting` first)."""
 
@@ -117,6 +125,7 @@ class Probe:
 
 
 StorageJob = Read | WriteThrough | Probe  # what a storage tier's job id stands for
+HostCopy = StorePiece | LoadPiece  # what a host copy's job id stands for
 
 
 def targets_of(requests: GroupBlocks) -> dict[OffloadKey, list[int]]:
@@ -147,11 +156,3 @@ def blocks_of(targets: Mapping[OffloadKey, list[int]]) -> dict[int, list[int]]:
     for (_, group), blocks in targets.items():
         failed.setdefault(group, []).extend(blocks)
     return {g: sorted(b) for g, b in failed.items()}
-
-
-def host_copies_of(cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]],
-                   job: Store | Load) -> list[int]:
-    """The host copies in flight (`TieredStore._cpu_jobs`: CPU job id -> its record) that
-    belong to this store or load. O(copies in flight): for the rare job given up on."""
-    return [cpu_job for cpu_job, record in cpu_jobs.items()
-            if (record.store if isinstance(record, StorePiece) else record[0]) is job]

@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from kv_offload.config import OffloadConfig
 from kv_offload.store.jobs import Probe
 from kv_offload.store.key_view import storage_key
+from kv_offload.store.loads import LoadPipeline
 from kv_offload.store.manager import SlotState
+from kv_offload.store.shared import JobBook, Tiers
 from kv_offload.types import Direction
 
 PROBE_BYTES = 8 << 20  # the measured probe read; about what a 16k-token hit reads per rank
@@ -48,70 +50,76 @@ def probe_bytes_for(config: OffloadConfig, num_groups: int) -> int:
 
 
 class ReadProbe:
-    """The read-rate probe of `TieredStore`."""
+    """The read-rate probe of a `TieredStore`: its own state machine, one read at a time."""
 
-    def _init_probe(self, probe_bytes: int) -> None:
+    def __init__(self, tiers: Tiers, book: JobBook, loads: LoadPipeline,
+                 probe_bytes: int) -> None:
+        self._tiers = tiers
+        self._book = book
+        self._loads = loads  # (a load awaiting a probed key keeps it)
         self.probe_bytes = probe_bytes
-        self._probe_state = "idle"  # -> reading -> measure -> reading ... -> done
-        self._probe_next = "done"  # the state once the read in flight lands
-        self._probe_after = 0.0  # no probe read starts before this (monotonic)
-        self._probe_rounds = 0  # measured reads started
+        self.state = "idle"  # -> reading -> measure -> reading ... -> done
+        self._next = "done"  # the state once the read in flight lands
+        self.next_at = 0.0  # no probe read starts before this (monotonic)
+        self._rounds = 0  # measured reads started
 
-    def _probe_storage(self) -> None:
+    def step(self) -> None:
         """At a poll: start the next probe read if one is due (O(1) when none is; at most
         once a second, O(keys probed), while no stored key is free to probe)."""
-        if self._probe_state in ("done", "reading") or self.storage is None:
+        tiers = self._tiers
+        if self.state in ("done", "reading") or tiers.storage is None:
             return
-        warm_up = self._probe_state == "idle"
-        if warm_up and (self.probe_bytes <= 0 or self.read_rate.bytes_per_s > 0):
-            self._probe_state = "done"  # off, or a load's read measured the tier already
+        warm_up = self.state == "idle"
+        if warm_up and (self.probe_bytes <= 0 or tiers.read_rate.bytes_per_s > 0):
+            self.state = "done"  # off, or a load's read measured the tier already
             return
         now = time.monotonic()
-        if now < self._probe_after:
+        if now < self.next_at:
             return
-        self._probe_after = now + RETRY_S
+        self.next_at = now + RETRY_S
+        manager = tiers.manager
         wanted = 1 if warm_up else \
-            min(PROBE_KEYS, max(2, self.probe_bytes // max(self.cpu.layout.group_bytes)))
-        wanted = min(wanted, self.manager.num_free_slots)  # (never evicts)
-        candidates = self.view.storage_sample(4 * wanted)
-        keys = [k for k, state in zip(candidates, self.manager.lookup(candidates))
+            min(PROBE_KEYS, max(2, self.probe_bytes // max(tiers.cpu.layout.group_bytes)))
+        wanted = min(wanted, manager.num_free_slots)  # (never evicts)
+        candidates = tiers.view.storage_sample(4 * wanted)
+        keys = [k for k, state in zip(candidates, manager.lookup(candidates))
                 if state is SlotState.ABSENT][:wanted]  # (not those in host memory too)
-        plan = self.manager.prepare_store(keys) if keys else None
+        plan = manager.prepare_store(keys) if keys else None
         if plan is None or not plan.keys:  # nothing to probe yet: asked again later
             return
-        probe = Probe(plan.keys, self._generation, now)
+        generation = tiers.generation
+        probe = Probe(plan.keys, generation, now)
         try:
-            buffers = [self.cpu.slot_buffer(slot, key[1])
+            buffers = [tiers.cpu.slot_buffer(slot, key[1])
                        for key, slot in zip(plan.keys, plan.slots)]
-            job = self.storage.submit_read(
-                [storage_key(k, self._generation) for k in plan.keys], buffers)
+            job = tiers.storage.submit_read([storage_key(k, generation) for k in plan.keys],
+                                            buffers)
         except Exception:
-            self.manager.complete_store(list(plan.keys), False)
-            self._probe_state = "done"  # (a tier that cannot read: its loads will say so)
+            manager.complete_store(list(plan.keys), False)
+            self.state = "done"  # (a tier that cannot read: its loads will say so)
             raise
-        self._probe_state = "reading"
-        self._probe_rounds += 0 if warm_up else 1
-        self._probe_next = "done" if self._probe_rounds >= ROUNDS else "measure"
-        self._probe_after = now + (0.0 if warm_up else RETRY_S)
-        self._storage_jobs[job] = probe
+        self.state = "reading"
+        self._rounds += 0 if warm_up else 1
+        self._next = "done" if self._rounds >= ROUNDS else "measure"
+        self.next_at = now + (0.0 if warm_up else RETRY_S)
+        self._book.storage_jobs[job] = probe
 
-    def _probe_done(self, probe: Probe, succeeded: Sequence[bool]) -> None:
-        self._probe_state = self._probe_next  # first: a fault below must not stall it
+    def done(self, probe: Probe, succeeded: Sequence[bool]) -> None:
+        tiers, manager = self._tiers, self._tiers.manager
+        self.state = self._next  # first: a fault below must not stall it
         ok = [k for k, good in zip(probe.keys, succeeded) if good]
         bad = [k for k, good in zip(probe.keys, succeeded) if not good]
         # A load that wanted a key while the probe read it awaits this read (one read for
         # many): those keys stay, as host keys; the others' slots are freed (see above).
-        awaited = {k for load in self._staged.values() for k in load.awaiting}
+        awaited = self._loads.awaited_keys()
         kept = [k for k in ok if k in awaited]
         if kept:  # (their bytes did come from the storage tier, for those loads)
-            for load in self._staged.values():
-                load.from_storage += sum(k in load.awaiting for k in kept)
-        self.manager.complete_store([k for k in probe.keys if k not in awaited or k in bad],
-                                    False)
-        self.manager.complete_store(kept, True)
-        self._key_failures[Direction.LOAD] += len(bad)
-        if probe.generation == self._generation:
-            self.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
-        group_bytes = self.cpu.layout.group_bytes
-        self.read_rate.record(sum(group_bytes[k[1]] for k in ok),
-                              time.monotonic() - probe.started)
+            self._loads.count_from_storage(set(kept))
+        manager.complete_store([k for k in probe.keys if k not in awaited or k in bad], False)
+        manager.complete_store(kept, True)
+        tiers.key_failures[Direction.LOAD] += len(bad)
+        if probe.generation == tiers.generation:
+            tiers.view.storage_removed(bad)  # unreadable (vanished, corrupt): not a hit
+        group_bytes = tiers.cpu.layout.group_bytes
+        tiers.read_rate.record(sum(group_bytes[k[1]] for k in ok),
+                               time.monotonic() - probe.started)

@@ -13,7 +13,7 @@ tier whole.
 Every job ends with exactly one `TieredResult` that names the engine blocks whose bytes
 did not arrive; the engine recomputes those and nothing else is affected. Exactly once,
 whatever order failures arrive in: a job id is delivered only while it is open
-(`_finish`), so a late piece of a job that already failed is absorbed, never re-reported.
+(`JobBook.finish`), so a late piece of a job that already failed is absorbed, never re-reported.
 Nothing here raises into the caller after construction: a fault in the bookkeeping of
 one job (a plug-in eviction policy, a tier that raises on submit or poll) fails that job,
 is counted in `faults`, and is logged once per episode.
@@ -22,11 +22,15 @@ What the tiers hold is tracked in a `KeyView` (host events, the storage tier's c
 feed, our write-throughs and failed reads); `take_changes` drains it in bounded batches.
 Driven from one thread at a time (the connector's worker lock): submit jobs, then `poll`
 (`busy`: whether it has anything to advance; the pump reads it without the lock).
+
+The store is composed of parts that own their state (`kv_offload.store.shared`): the load
+pipeline (`loads`), the store pipeline (`stores`) and the read probe (`probe`), over the
+tiers and the job book they share. The store routes each finished host copy or storage job
+to the part it belongs to, and contains every fault of a part.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,27 +47,21 @@ from kv_offload.store.generations import read_stored_generation, write_stored_ge
 from kv_offload.store.host import CpuBackend
 from kv_offload.store.host.layer_copies import LayerSteps
 from kv_offload.store.jobs import (
-    Load,
+    HostCopy,
+    LoadPiece,
     Probe,
     Read,
     StorageJob,
-    Store,
     StorePiece,
     TieredResult,
     TierUsage,
-    targets_of,
 )
-from kv_offload.store.key_view import (
-    FIRST_GENERATION,
-    KeyView,
-    new_generation,
-    offload_key,
-    storage_key,
-)
+from kv_offload.store.key_view import KeyView, new_generation, offload_key, storage_key
 from kv_offload.store.loads import LoadPipeline
 from kv_offload.store.manager import OffloadManager, SlotState
 from kv_offload.store.probe import ReadProbe, probe_bytes_for
 from kv_offload.store.read_rate import ReadRate
+from kv_offload.store.shared import JobBook, Tiers
 from kv_offload.store.stores import StorePipeline
 from kv_offload.store.tp.records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
@@ -82,7 +80,7 @@ def layout_fingerprint(canonical: CanonicalKVCaches, extra: str = "") -> str:
         repr((FILE_FORMAT_VERSION, canonical.layout_signature(), layers, extra)).encode())
 
 
-class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
+class TieredStore:
     """Host slots (with their manager) in front of an optional `StorageTier`."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
@@ -92,51 +90,46 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
                  report_storage_copies: bool = False, codec: RecordCodec = CHECKSUM,
                  fingerprint: str = "", probe_bytes: int = 0,
                  copy_timeout_s: float = 30.0) -> None:
-        self.cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin,
-                              copy_timeout_s=copy_timeout_s)
-        self.manager = OffloadManager(self.cpu.num_slots, eviction_policy)
-        self.storage = storage
+        cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin, copy_timeout_s=copy_timeout_s)
+        self.tiers = tiers = Tiers(cpu, OffloadManager(cpu.num_slots, eviction_policy),
+                                   storage, FaultLog("kv-offload tiers"),
+                                   KeyView(report_storage_copies=report_storage_copies))
+        # (the tiers' parts, by the names callers and the metrics read them by)
+        self.cpu, self.manager, self.storage = cpu, tiers.manager, storage
+        self.faults, self.view = tiers.faults, tiers.view
         self.eviction_policy = eviction_policy
-        self.read_timeout_s = read_timeout_s
-        self.store_stage_timeout_s = store_stage_timeout_s
-        self.staging_slots = staging_slots or max(1, self.cpu.num_slots // 4)
-        self.faults = FaultLog("kv-offload tiers")
-        self.view = KeyView(report_storage_copies=report_storage_copies)
+        self.book = JobBook(cpu)
+        self.stores = StorePipeline(tiers, self.book, stage_timeout_s=store_stage_timeout_s)
+        self.loads = LoadPipeline(tiers, self.book, self.stores, read_timeout_s=read_timeout_s,
+                                  staging_slots=staging_slots or max(1, cpu.num_slots // 4))
+        self.probe = ReadProbe(tiers, self.book, self.loads, probe_bytes)  # (0: no probe)
         # The storage key generation: the one the storage tier keeps (a reset before a
         # restart stays in force; see kv_offload.store.generations). `codec` and `fingerprint`
         # seal that record as the tier's own records are sealed.
         self._codec, self._fingerprint = codec, fingerprint
-        self._generation = FIRST_GENERATION
         if storage is not None:
             stored = read_stored_generation(storage, codec, fingerprint)
-            if stored is None:  # unreadable or not verifiable: never pre-reset keys
-                self._generation = new_generation()
-            else:
-                self._generation = stored
+            # (unreadable or not verifiable: never pre-reset keys, start a new one)
+            tiers.generation = new_generation() if stored is None else stored
         self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
-        # Keys a lookup's hit protected before they reached a tier: touched in the host tier
-        # once their store gets its slot (`_stage_store`), in the storage tier once their
-        # write-through lands (`_write_done`).
-        self._protect_on_host: dict[OffloadKey, None] = {}  # (oldest first)
-        self._protect_on_write: dict[OffloadKey, None] = {}
-        self._ids = itertools.count(1)
-        self._open: set[int] = set()  # jobs whose result is not delivered yet
-        self._cpu_jobs: dict[int, StorePiece | tuple[Load, list[OffloadKey]]] = {}
-        self._stores: dict[int, Store] = {}  # stores whose result is not delivered yet
-        self._staged_stores: dict[int, Store] = {}  # stores waiting for host room
-        # Keys of stores not yet ended (how many stores carry each): a load of such a key
-        # waits for it instead of failing (the scheduler counts planned stores as hits).
-        self._storing: Counter[OffloadKey] = Counter()
-        self._stores_ended = 0  # (moves when keys leave `_storing`)
-        self._storage_jobs: dict[int, StorageJob] = {}
-        self._reads: dict[int, Read] = {}  # reads in flight, not given up, oldest first
-        self._new_loads: list[Load] = []  # submitted, not yet planned
-        self._staged: dict[int, Load] = {}  # loads with storage keys waiting for host room
-        self._done: list[TieredResult] = []
-        # Storage keys whose read (LOAD) or write (STORE) failed, for the metrics.
-        self._key_failures: Counter[Direction] = Counter()
-        self.read_rate = ReadRate()  # the storage tier's measured read throughput
-        self._init_probe(probe_bytes)  # 0: no probe read (on in from_config)
+
+    @property
+    def read_rate(self) -> ReadRate:
+        """The storage tier's measured read throughput (loads' reads and the probe's)."""
+        return self.tiers.read_rate
+
+    @property
+    def generation(self) -> bytes:
+        """The storage key generation in force."""
+        return self.tiers.generation
+
+    @property
+    def read_timeout_s(self) -> float:
+        return self.loads.read_timeout_s
+
+    @property
+    def probe_bytes(self) -> int:
+        return self.probe.probe_bytes
 
     @classmethod
     def from_config(cls, canonical: CanonicalKVCaches, config: OffloadConfig,
@@ -164,8 +157,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
 
     def lookup(self, keys: Sequence[OffloadKey]) -> list[Location]:
         """Where each key can be loaded from (never touches the storage tier)."""
-        return [Location.HOST if self.manager.is_ready(k) else
-                Location.STORAGE if self.view.in_storage(k) else Location.ABSENT for k in keys]
+        return self.tiers.lookup(keys)
 
     def take_changes(self, max_keys: int) -> KeyChanges:
         """Keys whose location changed since the last call, at most `max_keys` (O(changes))."""
@@ -211,7 +203,8 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
 
     def take_key_failures(self) -> dict[Direction, int]:
         """Storage keys whose read or write failed since the last call (for metrics)."""
-        failures, self._key_failures = dict(self._key_failures), Counter()
+        failures = dict(self.tiers.key_failures)
+        self.tiers.key_failures = Counter()
         return failures
 
     # --- hits ---
@@ -231,13 +224,11 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
             absent = [k for k, state in zip(keys, manager.lookup(keys))
                       if state is SlotState.ABSENT and not (in_storage and in_storage(k))]
             limit = PROTECT_PENDING_SLOTS * self.cpu.num_slots
-            _remember(self._protect_on_host, absent, limit)
-            if in_storage is None:
-                return
-            _remember(self._protect_on_write, [k for k in keys if not in_storage(k)], limit)
-            stored = [k for k in keys if in_storage(k)]
+            unwritten = [k for k in keys if not in_storage(k)] if in_storage else []
+            self.stores.protect_later(absent, unwritten, limit)
+            stored = [k for k in keys if in_storage(k)] if in_storage else []
             if stored:
-                generation = self._generation
+                generation = self.tiers.generation
                 self.storage.touch([storage_key(k, generation) for k in stored])
         except Exception as exc:
             self.faults.failed("hit protection", exc)
@@ -253,23 +244,9 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         forward that wrote the blocks; `CpuBackend.engine_ready()`), also pieces submitted
         later from the pump, so the CPU never waits for the forward. `layers`: submitted
         before the forward ended, every piece copies layer i once its gate opened."""
-        store = Store(self._new_job(), {}, time.monotonic(), ready=ready, layers=layers)
-        self._stores[store.job_id] = store
-        try:
-            store.targets = targets_of(requests)
-            store.waiting = list(store.targets)
-            self._storing.update(store.targets.keys())  # (until `_store_ended`)
-            # Staged at the next `poll` (the pump's thread), not in the caller's: this call
-            # is on the engine's step path and costs O(blocks) of bookkeeping only.
-            if store.waiting:
-                self._staged_stores[store.job_id] = store
-        except Exception as exc:  # e.g. a plug-in eviction policy: skip the rest
-            self.faults.failed("store planning", exc)
-            store.failed += store.waiting
-            store.waiting = []
-            self._staged_stores.pop(store.job_id, None)
-        self._finish_store_if_done(store)
-        return store.job_id
+        # Staged at the next `poll` (the pump's thread), not in the caller's: this call
+        # is on the engine's step path and costs O(blocks) of bookkeeping only.
+        return self.stores.submit(requests, ready, layers)
 
     def submit_load(self, requests: GroupBlocks, ready: EngineReady | None = None,
                     layers: LayerSteps | None = None, inline: bool = False) -> int:
@@ -279,46 +256,43 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         blocks, even for pieces submitted later from another thread). `layers`: a load
         copied in one piece (all its keys in host memory) marks its layers copied in order
         there, one in several pieces none. `inline`: an in-step load (`CpuBackend.submit`)."""
-        load = Load(self._new_job(), {}, time.monotonic(), ready=ready, layers=layers,
-                    inline=inline)
-        try:
-            load.targets = targets_of(requests)
-        except Exception as exc:
-            self.faults.failed("load planning", exc)
-            self._fail_load(load)
-            self._finish_load_if_done(load)
-            return load.job_id
         # Planned at the next `poll` (the pump's thread), first thing, so its host keys are
         # pinned before that poll stages any store: this call is on the engine's step path.
-        self._new_loads.append(load)
-        return load.job_id
+        return self.loads.submit(requests, ready, layers, inline)
+
+    def abandon_load(self, job_id: int) -> None:
+        """The caller stopped waiting for this load (`LoadPipeline.abandon`)."""
+        self.loads.abandon(job_id)
+
+    def abandon_store(self, job_id: int) -> None:
+        """The engine may overwrite this store's blocks (`StorePipeline.abandon`)."""
+        self.stores.abandon(job_id)
 
     def busy(self) -> bool:
-        return bool(self._cpu_jobs or self._storage_jobs or self._staged or self._new_loads
-                    or self._staged_stores)
+        return self.book.in_flight or self.loads.busy or self.stores.busy
 
     def poll(self) -> list[TieredResult]:
         """Advance every job; return the results finished since the last call. Never raises."""
-        self._guarded("load planning", self._plan_new_loads, None)
+        book = self.book
+        self._guarded("load planning", self.loads.plan_new, None)
         for result in self._guarded("host copy results", self.cpu.poll, []):
-            record = self._cpu_jobs.pop(result.job_id, None)
-            if record is not None:
-                self._guarded("host copy bookkeeping", lambda r=record, s=result.success:
-                              self._host_copied(r, s), None, fail=record)
+            piece = book.cpu_jobs.pop(result.job_id, None)
+            if piece is not None:
+                self._guarded("host copy bookkeeping", lambda r=piece, s=result.success:
+                              self._host_copied(r, s), None, fail=piece)
         if self.storage is not None:
             for result in self._guarded("storage poll", self.storage.poll, []):
-                record = self._storage_jobs.pop(result.job_id, None)
-                self._reads.pop(result.job_id, None)
-                if record is not None:
-                    self._guarded("storage results", lambda r=record, t=result:
-                                  self._storage_done(r, t.succeeded), None, fail=record)
-        self._guarded("staging", self._advance_staged, None)
-        self._guarded("store staging", self._advance_staged_stores, None)
+                job = book.storage_jobs.pop(result.job_id, None)
+                if job is not None:
+                    self._guarded("storage results", lambda j=result.job_id, r=job,
+                                  t=result: self._storage_done(j, r, t.succeeded), None,
+                                  fail=job)
+        self._guarded("staging", self.loads.advance, None)
+        self._guarded("store staging", self.stores.advance, None)
         self.cpu.slots_in_use_below(self.manager.high_water)  # (host pages ahead of use)
         self._guarded("storage change feed", self._absorb_storage_changes, None)
-        self._guarded("read probe", self._probe_storage, None)
-        done, self._done = self._done, []
-        return done
+        self._guarded("read probe", self.probe.step, None)
+        return book.take_done()
 
     def wait(self, job_ids: Sequence[int], timeout: float = 60.0) -> list[TieredResult]:
         """Poll until these jobs finished; their results, in order (others stay queued for
@@ -329,7 +303,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
                 if result.job_id in wanted:
                     found[result.job_id] = result
                 else:
-                    self._done.append(result)  # someone else's: keep it for their poll
+                    self.book.done.append(result)  # someone else's: keep it for their poll
             if time.monotonic() > deadline:
                 raise TimeoutError(f"jobs {sorted(wanted - found.keys())} did not finish "
                                    f"within {timeout} s")
@@ -340,10 +314,9 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         """Wait until every job, write-throughs included, has finished (e.g. before
         shutdown); their results stay queued for `poll`. False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._storage_jobs or self._cpu_jobs or self._staged or self._staged_stores \
-                or self._new_loads:
-            finished = self.poll()  # (poll swaps self._done: read it only afterwards)
-            self._done.extend(finished)
+        while self.busy():
+            finished = self.poll()  # (poll swaps the book's results: read them afterwards)
+            self.book.done.extend(finished)
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.001)
@@ -357,13 +330,12 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         restart starts in it too."""
         self.manager.reset()
         self.manager.take_events()
-        self._protect_on_host.clear()
-        self._protect_on_write.clear()
-        self._generation = new_generation()
+        self.stores.forget_protected()
+        self.tiers.generation = generation = new_generation()
         self.view.reset()
         if self.storage is not None:  # (rare, bounded by the tier's timeouts)
             self._guarded("key generation", lambda: write_stored_generation(
-                self.storage, self._generation, self._codec, self._fingerprint), None)
+                self.storage, generation, self._codec, self._fingerprint), None)
 
     def close(self) -> None:
         self.cpu.close()
@@ -372,34 +344,19 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
 
     # --- internals: plumbing ---
 
-    def _new_job(self) -> int:
-        job_id = next(self._ids)
-        self._open.add(job_id)
-        return job_id
-
-    def _finish(self, result: TieredResult) -> None:
-        """Deliver a job's result, once: a job already delivered is not delivered again."""
-        if result.job_id in self._open:
-            self._open.discard(result.job_id)
-            self._done.append(result)
-
-    def _submit_cpu(self, record, direction: Direction, moves, ready: EngineReady | None = None,
-                    layers: LayerSteps | None = None, inline: bool = False) -> None:
-        self._cpu_jobs[self.cpu.submit(direction, moves, ready, layers, inline)] = record
-
-    def _host_copied(self, record, success: bool) -> None:
-        if isinstance(record, StorePiece):
-            self._piece_copied(record, success)
+    def _host_copied(self, piece: HostCopy, success: bool) -> None:
+        if isinstance(piece, StorePiece):
+            self.stores.piece_copied(piece, success)
         else:
-            self._load_copied(*record, success)
+            self.loads.piece_copied(piece, success)
 
-    def _storage_done(self, record: StorageJob, succeeded: Sequence[bool]) -> None:
+    def _storage_done(self, job: int, record: StorageJob, succeeded: Sequence[bool]) -> None:
         if isinstance(record, Read):
-            self._read_done(record, succeeded)
+            self.loads.read_done(job, record, succeeded)
         elif isinstance(record, Probe):
-            self._probe_done(record, succeeded)
+            self.probe.done(record, succeeded)
         else:
-            self._write_done(record, succeeded)
+            self.stores.write_done(record, succeeded)
 
     def _absorb_host_events(self) -> None:
         for event in self.manager.take_events():
@@ -413,7 +370,7 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         if self.storage is None:
             return
         changes = self.storage.take_changes(ABSORB_PER_POLL)
-        generation = self._generation
+        generation = self.tiers.generation
         added = (offload_key(k, generation) for k in changes.added)
         removed = (offload_key(k, generation) for k in changes.removed)
         self.view.storage_added([k for k in added if k is not None])
@@ -432,20 +389,10 @@ class TieredStore(LoadPipeline, StorePipeline, ReadProbe):
         self.faults.succeeded(where)
         return value
 
-    def _fail_record(self, record) -> None:
+    def _fail_record(self, record: HostCopy | StorageJob) -> None:
+        """A fault in a job's bookkeeping: the store or load it belongs to fails whole (a
+        write-through or probe belongs to no job: it only counts as a fault)."""
         if isinstance(record, StorePiece):
-            self._fail_store(record.store)
-        elif isinstance(record, Read | tuple):
-            load = record.load if isinstance(record, Read) else record[0]
-            self._fail_load(load)
-            self._finish_load_if_done(load)
-
-
-
-def _remember(pending: dict[OffloadKey, None], keys: Sequence[OffloadKey], limit: int) -> None:
-    """Add keys to an insertion-ordered set, dropping its oldest past `limit`."""
-    for key in keys:
-        pending.pop(key, None)
-        pending[key] = None
-    while len(pending) > limit:
-        del pending[next(iter(pending))]
+            self.stores.fail(record.store)
+        elif isinstance(record, Read | LoadPiece):
+            self.loads.fail(record.load)

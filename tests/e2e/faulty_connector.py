@@ -93,7 +93,7 @@ class FaultyKVOffloadConnector(KVOffloadConnector):
         super().start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.hooks["layer_waits"] += bool(self._worker._layer_loads)
+        self.hooks["layer_waits"] += bool(self._worker.layers.loads)
         super().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:

@@ -22,7 +22,7 @@ class NoStateRestoreConnector(KVOffloadConnector):
                                  num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         scheduler = self._scheduler
-        plan = scheduler._loads.get(request.request_id)
+        plan = scheduler._plan.loads.get(request.request_id)
         if plan is None:
             return
         for g, spec in enumerate(scheduler.specs):

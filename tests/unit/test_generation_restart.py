@@ -76,7 +76,7 @@ def test_an_engine_that_never_reset_starts_in_the_first_generation_and_shares_ke
     fingerprint = layout_fingerprint(canonical, "test-model")
     store_and_close(canonical, config, fingerprint, [1]).close()
     again = TieredStore.from_config(canonical, config, fingerprint)
-    assert again._generation == FIRST_GENERATION
+    assert again.generation == FIRST_GENERATION
     wait_for_storage(again, [(h(1), 0)])
     again.close()
 
@@ -94,7 +94,7 @@ def test_a_generation_record_forged_without_the_secret_starts_a_fresh_generation
         b"not the fleet's secret at all!"), fingerprint))
     first.close()
     restarted = TieredStore.from_config(canonical, config, fingerprint)
-    assert restarted._generation != FIRST_GENERATION
+    assert restarted.generation != FIRST_GENERATION
     for _ in range(50):
         restarted.poll()
     assert restarted.lookup([(h(1), 0)]) == [Location.ABSENT]
@@ -124,4 +124,4 @@ def test_the_example_plug_in_keeps_the_generation_for_its_own_lifetime():
     store = TieredStore(canonical, 1 << 20, storage=tier)
     store.reset()
     assert GENERATION_KEY.hex() in tier.read_generation().decode("latin-1")
-    assert TieredStore(canonical, 1 << 20, storage=tier)._generation == store._generation
+    assert TieredStore(canonical, 1 << 20, storage=tier).generation == store.generation

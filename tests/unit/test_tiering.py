@@ -209,7 +209,7 @@ def test_fingerprint_changes_with_the_layer_order_and_the_file_format(monkeypatc
 def protected_on_disk(store, keys):
     """Whether each key is in the filesystem index's protected segment."""
     lru = store.storage._index._lru
-    return [storage_key(k, store._generation) in lru.protected for k in keys]
+    return [storage_key(k, store.generation) in lru.protected for k in keys]
 
 
 def test_protected_keys_are_kept_by_both_tiers_also_when_protected_in_flight(tmp_path):
@@ -232,7 +232,7 @@ def test_protected_keys_are_kept_by_both_tiers_also_when_protected_in_flight(tmp
     store.poll()
     assert list(store.manager.policy.protected) == [early, late]
     assert protected_on_disk(store, [early, late, never]) == [True, True, False]
-    assert not store._protect_on_write and not store._protect_on_host
+    assert not store.stores.protect_on_write and not store.stores.protect_on_host
     store.close()
 
 
@@ -245,7 +245,7 @@ def test_a_prefix_protected_before_its_store_is_submitted_is_protected_when_it_l
     limit = tiering.PROTECT_PENDING_SLOTS * store.cpu.num_slots
     store.protect([(h(100 + i), 0) for i in range(limit)])  # fills the memory...
     store.protect([(h(1), 0)])  # ...and this one pushes the oldest out
-    assert len(store._protect_on_host) == len(store._protect_on_write) == limit
+    assert len(store.stores.protect_on_host) == len(store.stores.protect_on_write) == limit
     [done] = store.wait([store.submit_store({0: ([h(100), h(1)], [1, 2])})])
     assert done.success
     store.flush()

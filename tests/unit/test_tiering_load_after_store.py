@@ -52,5 +52,5 @@ def test_a_load_of_a_key_no_store_carries_fails_at_once():
     loaded = store.submit_load({0: ([h(1), h(4)], [6, 7])})
     results = store.wait([stored, loaded])
     assert results[1].failed == {0: [7]}  # h(4) was never stored: no wait for it
-    assert store._storing == {}  # (every store ended: no key is awaited any more)
+    assert store.stores.storing == {}  # (every store ended: no key is awaited any more)
     store.close()

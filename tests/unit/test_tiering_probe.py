@@ -118,18 +118,18 @@ def test_a_corrupt_file_met_by_the_probe_is_rejected_and_forgotten(tmp_path):
 def _storage_name(store, key) -> bytes:
     from kv_offload.store.key_view import storage_key
 
-    return storage_key(key, store._generation)
+    return storage_key(key, store.generation)
 
 
 def test_the_probe_reads_keys_held_only_in_storage_past_newer_host_copies(tmp_path):
     _, canonical = hybrid()
     keys = stored_directory(canonical, tmp_path, [1, 2, 3])
     store = make_store(canonical, tmp_path, slots=8, probe_bytes=1 << 20)
-    store._probe_after = float("inf")  # (held until the host copies are the newest keys)
+    store.probe.next_at = float("inf")  # (held until the host copies are the newest keys)
     wait_for_storage(store, keys)
     [stored] = store.wait([store.submit_store({0: ([h(8), h(9)], [8, 9])})])
     assert stored.success and store.flush()  # written through: the newest storage keys
-    store._probe_after = 0.0
+    store.probe.next_at = 0.0
     poll_until_measured(store)
     assert reads(store) >= 1
     assert store.lookup(keys) == [Location.STORAGE] * 3
@@ -155,11 +155,11 @@ def test_a_load_of_a_key_the_probe_is_reading_shares_that_read(tmp_path):
     store = TieredStore(canonical, 8 * canonical.slot_bytes_per_block(0), storage=tier,
                         probe_bytes=1 << 20)
     deadline = time.monotonic() + 10
-    while not any(isinstance(r, Probe) for r in store._storage_jobs.values()):
+    while not any(isinstance(r, Probe) for r in store.book.storage_jobs.values()):
         assert time.monotonic() < deadline, "the probe never started"
         store.poll()
         time.sleep(0.002)
-    (probe,) = [r for r in store._storage_jobs.values() if isinstance(r, Probe)]
+    (probe,) = [r for r in store.book.storage_jobs.values() if isinstance(r, Probe)]
     (key,) = probe.keys  # (the warm-up read: one key)
     buffer.zero_()
     job = store.submit_load({0: ([key[0]], [7])})

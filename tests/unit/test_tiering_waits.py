@@ -115,7 +115,7 @@ def test_a_read_past_its_deadline_is_given_up_while_writes_are_in_flight(tmp_pat
     for i in range(4):
         reader.submit_store({0: ([h(20 + i)], [3 + i])})
     deadline = time.monotonic() + WAIT_S
-    while len(reader._storage_jobs) < 4:  # (their copies landed: the writes are out)
+    while len(reader.book.storage_jobs) < 4:  # (their copies landed: the writes are out)
         assert time.monotonic() < deadline, "the write-throughs never started"
         reader.poll()
         time.sleep(0.002)

@@ -20,6 +20,7 @@ stored in the step whose forward completes them, only those some future hit can 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from math import lcm
@@ -27,15 +28,15 @@ from typing import Any
 
 from kv_offload.hits import StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import HOST_BIT, GroupBlocks, Location, OffloadKey
+from kv_offload.types import HOST_BIT, GroupBlocks, Location
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kv_offload.vllm.scheduler.block_tables import track_block_ids
 from kv_offload.vllm.scheduler.in_step_loads import InStepLoads
 from kv_offload.vllm.scheduler.kv_events import KVEvents
 from kv_offload.vllm.scheduler.mamba_states import BoundaryStateStores, offers_of
 from kv_offload.vllm.scheduler.rank_keys import HeldBlocks, RankKeys
-from kv_offload.vllm.scheduler.recovery import SchedulerRecovery
 from kv_offload.vllm.scheduler.report_lag import ReportLag
+from kv_offload.vllm.scheduler.step_plan import StepPlan
 from kv_offload.vllm.scheduler.store_fence import StoreFence
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
@@ -78,7 +79,7 @@ class LookupResult:
     hit_tokens: int
 
 
-class OffloadScheduler(SchedulerRecovery):
+class OffloadScheduler:
     """Scheduler-side state of the connector (one per engine)."""
 
     def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int,
@@ -101,13 +102,8 @@ class OffloadScheduler(SchedulerRecovery):
         self._created = time.monotonic()
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, PendingHit] = {}
-        self._loads: dict[str, GroupBlocks] = {}
-        self._in_step: list[str] = []  # of `_loads`: the ones done before this step's forward
-        self._failed_loads: list[str] = []
-        self._failed_blocks: list[int] = []  # of in-step loads that could not be planned
-        self._protect_keys: list[OffloadKey] = []  # keys of hits found since the last step
+        self._plan = StepPlan()  # what goes to the workers with the next step
         self._asked: dict[int, None] = {}  # hashes of recent lookups (`_asked_before`)
-        self._reset = False
         # Reports lag the plans by a step: stores planned since count as held (in host
         # memory); while a reset is under way a lookup waits for its report (vLLM asks again).
         self._step = 0
@@ -116,7 +112,6 @@ class OffloadScheduler(SchedulerRecovery):
         # forward wait for the stores in flight.
         self._fence = StoreFence(specs)
         self._allocated: list[int] = []  # blocks given to requests since the last step
-        self._held: list[str] = []  # finished requests to hold for their given-up copies
         # In-step loads not yet reported on by every rank: request -> plan step (in order).
         self._in_step_pending: dict[str, int] = {}
 
@@ -181,7 +176,7 @@ class OffloadScheduler(SchedulerRecovery):
             size = self.specs[g].block_size
             ends += [((i + 1) * size, g, i) for i in blocks]
         ends.sort(reverse=True)
-        self._protect_keys += [(self._hash_of(request, g, i), g) for _, g, i in ends]
+        self._plan.protect += [(self._hash_of(request, g, i), g) for _, g, i in ends]
 
     def _asked_before(self, request: Any) -> int:
         """Tokens of this request's longest prefix that an earlier request also asked for
@@ -224,11 +219,11 @@ class OffloadScheduler(SchedulerRecovery):
             if ids:
                 plan[g] = (hashes, ids)
                 self.events.record_blocks(request, g, blocks)
-        self._loads[request.request_id] = plan
+        self._plan.loads[request.request_id] = plan
         if pending.load_async:
             self._requests[request.request_id].loading = True
         else:  # loaded before this step's forward, which runs the request
-            self._in_step.append(request.request_id)
+            self._plan.in_step.append(request.request_id)
             state = self._requests[request.request_id]
             state.in_step_load_step = self._step
             state.in_step_blocks = [i for _, ids in plan.values() for i in ids]
@@ -270,19 +265,18 @@ class OffloadScheduler(SchedulerRecovery):
                 self._plan_stores(state, done, stores)
         if with_states:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
-        meta = KVOffloadMetadata(loads=self._loads, in_step=self._in_step,
-                                 failed_loads=self._failed_loads,
-                                 failed_blocks=self._failed_blocks, stores=stores,
-                                 reset=self._reset, step=self._step,
+        plan, self._plan = self._plan, StepPlan()
+        meta = KVOffloadMetadata(loads=plan.loads, in_step=plan.in_step,
+                                 failed_loads=plan.failed_loads,
+                                 failed_blocks=plan.failed_blocks, stores=stores,
+                                 reset=plan.reset, step=self._step,
                                  wait_for_stores=wait_for_stores,
                                  idle=not scheduler_output.total_num_scheduled_tokens,
-                                 held=self._held,
+                                 held=plan.held,
                                  wait_for_loads=self.in_step.reuses_fenced(allocated),
-                                 protect=self._protect_keys)
+                                 protect=plan.protect)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
-        self._loads, self._in_step, self._failed_loads, self._reset = {}, [], [], False
-        self._failed_blocks, self._held, self._protect_keys = [], [], []
         self._step += 1
         return meta
 
@@ -374,7 +368,7 @@ class OffloadScheduler(SchedulerRecovery):
         """HOST when every block of the request's planned load is in every rank's host
         memory (or its store is planned: it lands there), else STORAGE (some of it is read
         from the storage tier first)."""
-        plan = self._loads.get(request_id, {})
+        plan = self._plan.loads.get(request_id, {})
         for g, (hashes, _) in plan.items():
             planned = self._lag.planned(g)
             for held in self._keys.group_maps(g):  # (plain loops: this runs per hit block)
@@ -408,15 +402,79 @@ class OffloadScheduler(SchedulerRecovery):
                 self.in_step.must_hold(request_id, state.in_step_load_step,
                                        not ended_by_output or state.in_step_failed):
             state.loading = state.finished = True  # (until the ranks report it back)
-            self._held.append(request_id)  # (the workers learn it with the next step)
+            self._plan.held.append(request_id)  # (the workers learn it with the next step)
             return True
         self._requests.pop(request_id, None)
         return False
 
     def reset(self) -> None:
         """Drop the host tier on every rank with the next step; lookups wait until done."""
-        self._reset = True
+        self._plan.reset = True
         self._lag.reset_step = self._step  # the step whose plans will carry it
+
+    # --- recovery paths: what the connector calls *because* something failed ---
+    # Each only records: requests whose loads are reported failed (vLLM recomputes them),
+    # blocks of in-step loads that cannot arrive (reported by the workers as load errors),
+    # in-step loads some rank reported failed, a fence on the next forward when freed
+    # blocks are not known. None of them raises into vLLM.
+
+    def fence_next_step(self) -> None:
+        """Blocks were freed and we cannot tell which (a recovery path): the next forward
+        waits for every store still copying out of engine memory."""
+        self._fence.unknown_free()
+
+    def fallback_meta(self, scheduler_output: Any = None) -> KVOffloadMetadata:
+        """This step's metadata when `build_meta` failed: no stores, and every load
+        planned since the last step reported failed (the requests recompute). The requests
+        of this step never store again: their block tables may have missed this step's
+        new blocks, and a block stored under the wrong index would serve wrong bytes."""
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.stores_off = True
+                state.loading = False  # it runs: vLLM saw its load end
+        # (in-step loads still run: their requests run now; a failure is reported by block)
+        plan, self._plan = self._plan, StepPlan()
+        failed = [*(r for r in plan.loads if r not in plan.in_step), *plan.failed_loads]
+        for request_id in failed:
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.loading = True  # until the workers report it back
+        in_step = {r: plan.loads[r] for r in plan.in_step}
+        meta = KVOffloadMetadata(loads=in_step, in_step=list(in_step), failed_loads=failed,
+                                 failed_blocks=plan.failed_blocks, reset=plan.reset,
+                                 step=self._step, held=plan.held)
+        self._step += 1
+        return meta
+
+    def blocks_failed(self, block_ids: set[int]) -> None:
+        """vLLM was told these blocks failed to load (on some rank): mark the in-step loads
+        among them (`InStepLoads.must_hold`). O(in-step loads not yet reported on)."""
+        for request_id in self._in_step_pending:
+            state = self._requests.get(request_id)
+            if state is not None and not block_ids.isdisjoint(state.in_step_blocks):
+                state.in_step_failed = True
+
+    def is_loading(self, request_id: str) -> bool:  # (a load into its blocks may run)
+        state = self._requests.get(request_id)
+        return state is not None and state.loading
+
+    def fail_load(self, request_id: str, block_ids: Sequence[int] = ()) -> None:
+        """A hit was promised but its load cannot be planned: the workers report the
+        request failed (vLLM recomputes it) and no hit is offered to it again. An in-step
+        hit (its request runs in this step) is reported by its blocks, `block_ids` (all of
+        the request's: vLLM then recomputes it from its first block)."""
+        pending = self._pending_hits.pop(request_id, None)
+        plan = self._plan
+        plan.loads.pop(request_id, None)
+        if request_id in plan.in_step or (pending is not None and not pending.load_async):
+            plan.in_step = [r for r in plan.in_step if r != request_id]
+            plan.failed_blocks.extend(block_ids)
+            return
+        plan.failed_loads.append(request_id)
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.loading = True  # until the workers report it back
 
     @property
     def num_keys(self) -> int:  # (tests and tools; O(ranks))

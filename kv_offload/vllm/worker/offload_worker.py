@@ -17,6 +17,12 @@ The engine's thread only records what to do (and, on a GPU, an event on its stre
 pump thread (`pump.py`: when it runs and when it leaves the engine the CPU) stages the
 copies and drains results, while a forward runs.
 
+The worker owns its parts: the pump, the layer-wise plan (`layers.py`: vLLM's per-layer
+hooks), what it owes vLLM about loads that did not arrive (`load_reports.py`: by request or,
+for in-step loads, by block) and its job records (`jobs.py`). Its own methods are vLLM's
+calls, in vLLM's order, then sleep mode and shutdown; each takes the lock and drives the
+store, the parts only keep their books.
+
 Engine memory is only read by stores and written by loads:
 - a store copies blocks the step's forward completed, during the next forward. vLLM may
   free such a block (a finished or preempted request, a sliding window moving on) and hand
@@ -51,10 +57,9 @@ from kv_offload.types import Direction, GroupBlocks, OffloadKey
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
 from kv_offload.vllm.stats import KVOffloadStats
 from kv_offload.vllm.worker.exit_hook import at_interpreter_exit
-from kv_offload.vllm.worker.in_step import InStepLoadsOfWorker
 from kv_offload.vllm.worker.jobs import Job, Outcome, record_outcome
-from kv_offload.vllm.worker.layers import LayerWiseOfWorker
-from kv_offload.vllm.worker.lifecycle import LifecycleOfWorker
+from kv_offload.vllm.worker.layers import LayerPlan
+from kv_offload.vllm.worker.load_reports import LoadReports
 from kv_offload.vllm.worker.pump import Pump
 
 logger = logging.getLogger(__name__)
@@ -71,9 +76,10 @@ _COPY_POLL_S = 0.0002  # while waiting for engine copies, look for finished ones
 # 150 ms of reads instead of 25). Waiting here hands both over; a load that lands ends the
 # wait at once, and a request arriving meanwhile waits at most this long to be scheduled.
 IDLE_WAIT_S = 0.005
+FLUSH_TIMEOUT_S = 30.0  # at shutdown / exit: the longest we hold the engine for write-through
 
 
-class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
+class OffloadWorker:
     """Worker-side state of the connector for one rank."""
 
     def __init__(self, config: OffloadConfig, rank: int, fingerprint_extra: str, *,
@@ -101,12 +107,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         self._lock = threading.Condition()
         self._jobs: dict[int, Job] = {}
         self._outcomes: list[Outcome] = []
-        self._failed_now: set[str] = set()  # loads that could not even start
-        self._block_errors: set[int] = set()  # blocks of in-step loads that did not arrive
-        # In-step loads given up whose copies may still run: job id -> its request.
-        self._given_up: dict[int, str] = {}
-        self._held: set[str] = set()  # finished requests vLLM holds until those copies end
-        self._released: set[str] = set()  # held requests to report back (finished_loads)
+        self.reports = LoadReports()  # failed loads by request or block, given-up loads
         # This step's in-step blocks: all reported failed if the errors cannot be taken.
         self.in_step_blocks: set[int] = set()
         self._stats = KVOffloadStats()
@@ -117,7 +118,12 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         # `report` on the step path only hands them over (bounded by REPORT_MAX_KEYS).
         self._report_keys: list[OffloadKey] = []
         self._report_held, self._report_reset = bytearray(), False
-        self._init_layers()
+        self.layers = LayerPlan()  # set up at `register`
+
+    @property
+    def layer_wise(self) -> bool:
+        """Whether in-step loads and stores go a layer at a time on this rank."""
+        return self.layers.enabled
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
                  num_blocks: int) -> None:
@@ -131,7 +137,9 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             self.store = TieredStore.from_config(
                 self.canonical, self.config, fingerprint, records=records,
                 report_storage_copies=self.report_storage_copies)
-            copies = self._setup_layers([group.spec for group in groups])
+            copies = self.layers.setup(self.config.layer_wise, self.canonical,
+                                       [group.spec for group in groups],
+                                       self.store.cpu.layer_copier)
             logger.info("kv-offload rank %d: %s; %s", self.rank, self.store.describe(), copies)
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
                               lambda: bool(self._jobs) or self.store.busy(),
@@ -186,7 +194,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         scheduling, the pump runs freely again."""
         self._pump.step_started()
         with self._lock:  # (the last forward's, if its wait_for_save never came)
-            self._release_layer_stores()
+            self.layers.release_store()
             self._end_layer_loads()
 
     def begin_step(self, step: int) -> None:  # a new step's plans arrived
@@ -206,12 +214,11 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         arrive, and `failed_blocks` (unplanned in-step loads), go to `take_block_errors`."""
         deadline = time.monotonic() + self.copy_timeout_s  # (in-step: one bound per step)
         with self._lock:
-            self._failed_now.update(failed)
-            self._block_errors.update(failed_blocks)
+            self.reports.fail(failed, failed_blocks=failed_blocks)
             self.in_step_blocks = {i for r in in_step for _, ids in loads[r].values()
                                    for i in ids} | set(failed_blocks)
             if self._suspended:  # (vLLM pauses before it sleeps: a recovery path)
-                self.fail_loads(loads, in_step, loads)
+                self.reports.fail(loads, in_step, loads)
                 return
             # GPU: one event on the engine's stream orders every copy of these loads after
             # vLLM's own work on their blocks (e.g. zeroing new blocks); no host wait.
@@ -226,16 +233,150 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
                                                          request_id in in_step, layers)
                     self._loads_in_flight += 1
                     if layers is not None:
-                        self._layer_loads.append(job)
+                        self.layers.loads.append(job)
                 except Exception as exc:
                     self.faults.failed("load submit", exc)
-                    self.fail_loads([request_id], in_step, loads)
+                    self.reports.fail([request_id], in_step, loads)
             self._lock.notify_all()
-            if self._layer_loads:
+            if self.layers.loads:
                 self._pump_once()  # planned now: the copies start before the forward does
             elif in_step:
                 self._finish_in_step_loads(deadline - time.monotonic())
         self._pump.wake()
+
+    def _layer_steps_for_load(self) -> LayerSteps | None:
+        return self.layers.steps_for_load()
+
+    def _finish_in_step_loads(self, timeout_s: float | None = None) -> None:
+        """Lock held: drive the store until this step's in-step loads ended (their copies
+        are all in engine memory), at most `timeout_s` (default `copy_timeout_s`); past it,
+        their blocks are reported failed and the loads given up (a stuck thread: the fault
+        log): no further copy of theirs starts, so vLLM's recompute of those blocks is not
+        overwritten later, and their late results are ignored (`load_reports.py`)."""
+        timeout_s = self.copy_timeout_s if timeout_s is None else max(0.0, timeout_s)
+        if self._drive_until(lambda: not any(j.in_step for j in self._jobs.values()),
+                             timeout_s):
+            return
+        late = [job_id for job_id, job in self._jobs.items() if job.in_step]
+        self.faults.failed("in-step load", f"{len(late)} load(s) not done within "
+                           f"{self.copy_timeout_s} s; recomputed")
+        for job_id in late:
+            job = self._jobs.pop(job_id)
+            self._loads_in_flight -= 1
+            self.store.abandon_load(job_id)
+            self.reports.give_up(job_id, job)
+
+    # --- vLLM's per-layer hooks (layers.py) ---
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Return once `layer_name`'s bytes of every in-step load are in engine memory
+        (or its load ended); past `copy_timeout_s` the stragglers are failed (recomputed)."""
+        if not self.layers.loads:  # (most steps: no lock taken)
+            return
+        with self._lock:
+            if not self.layers.loads:
+                return
+            layer = self.layers.index_of(layer_name)
+            if layer is None:  # a name we do not cut by (e.g. a KV-sharing layer): all
+                self._finish_in_step_loads()
+                return
+            self.layers.waited(layer)
+            if not self._drive_until(lambda: all(job.layers.copied(layer) for job in
+                                                 self._jobs.values() if job.layers is not None),
+                                     self.copy_timeout_s):
+                self._finish_in_step_loads(timeout_s=0.0)  # the stragglers: recomputed
+
+    def layer_saved(self, layer_name: str, stores: GroupBlocks, step: int) -> None:
+        """The forward of plan step `step` is done with `layer_name`: copy its blocks of the
+        step's `stores` out now (the store is submitted, gated, at the step's first call;
+        vLLM may call `start_load_kv` only after the forward)."""
+        if not self.layer_wise or not stores:
+            return
+        layer = self.layers.index_of(layer_name)
+        with self._lock:
+            steps = self.layers.store_steps(step)
+            self._step = step
+            if steps is None:
+                if self._suspended:
+                    return
+                steps = self.layers.new_store(step)
+                try:
+                    job_id = self.store.submit_store(stores, self.store.engine_ready(), steps)
+                except Exception as exc:  # skipped; wait_for_save does not submit it again
+                    self.faults.failed("store submit", exc)
+                    steps.open_all()
+                    return
+                self._jobs[job_id] = self._job(None, stores)
+                self._lock.notify_all()
+            if layer is not None:
+                steps.open(layer)
+        self._pump.wake()
+
+    def fail_layer_loads(self) -> None:
+        """A recovery path: every block of this step's layer-wise loads is a load error."""
+        with self._lock:
+            for job in self.layers.loads:
+                self.reports.fail_blocks(job.block_ids)
+
+    def store_layers_copied(self) -> int:
+        """Layers of this step's layer-wise store copied out so far (0 without one)."""
+        return self.layers.store_layers_copied()
+
+    def _end_layer_loads(self) -> None:
+        """Lock held, after the forward (`wait_for_save` or `get_block_ids_with_load_errors`,
+        whichever vLLM calls first): finish this step's layer-wise loads; if the forward
+        skipped the hook of a layer, every block of them is a load error."""
+        if not self.layers.loads:
+            return
+        jobs, skipped = self.layers.end_loads()
+        self._finish_in_step_loads()
+        if skipped:
+            self.faults.failed("layer-wise load", f"the forward did not wait for {skipped} "
+                               "layer(s); their loads are recomputed")
+            for job in jobs:
+                self.reports.fail_blocks(job.block_ids)
+        else:
+            self.faults.succeeded("layer-wise load")
+
+    # --- loads that did not arrive (load_reports.py) ---
+
+    def wait_for_given_up_loads(self) -> None:
+        """Before a forward: block until no in-step load given up on this rank still runs
+        (`KVOffloadMetadata.wait_for_loads`: vLLM handed a block one of them may write to
+        another request). Without a bound, unlike every other wait here: going on could put
+        one request's bytes into another's blocks. Each `copy_timeout_s` passed is a fault
+        (counted, logged once per episode)."""
+        with self._lock:
+            while not self._drive_until(lambda: not self.reports.any_given_up,
+                                        self.copy_timeout_s):
+                self.faults.failed("given-up load", f"the forward waits for "
+                                   f"{self.reports.num_given_up} given-up load(s) still "
+                                   "copying into blocks vLLM handed to another request")
+
+    def hold_for_copies(self, request_ids: Collection[str]) -> None:
+        """vLLM keeps the blocks of these finished requests (`KVOffloadMetadata.held`):
+        report each back in `finished_loads` once no given-up copy of it runs on this rank,
+        at once where none does."""
+        if not request_ids:
+            return
+        with self._lock:
+            self.reports.hold(request_ids)
+
+    def fail_loads(self, request_ids: Collection[str], in_step: Collection[str] = (),
+                   loads: Mapping[str, GroupBlocks] | None = None,
+                   failed_blocks: Collection[int] = ()) -> None:
+        """Report these loads failed without starting them (a recovery path: it only
+        records): by request at the next `finished_loads`, or, for in-step loads (whose
+        requests vLLM runs in this step), by their blocks in `loads` (and `failed_blocks`)."""
+        with self._lock:
+            self.reports.fail(request_ids, in_step, loads, failed_blocks)
+
+    def take_block_errors(self) -> set[int]:
+        """Engine blocks of in-step loads that did not arrive since the last call (vLLM
+        recomputes them, right after the forward that read them)."""
+        with self._lock:
+            self._end_layer_loads()  # (after the forward: layer-wise loads end here at last)
+            return self.reports.take_block_errors()
 
     def start_stores(self, stores: GroupBlocks) -> None:
         """Copy out the blocks this step's forward completed (the pump stages them, in the
@@ -245,7 +386,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             self._end_layer_loads()
             try:
                 # (a store cut per layer was submitted at the first save_kv_layer)
-                if not self._release_layer_stores() and stores and not self._suspended:
+                if not self.layers.release_store() and stores and not self._suspended:
                     # GPU: our copy stream waits on an event recorded on the engine's stream
                     # after the forward that wrote these blocks; the CPU does not wait.
                     job_id = self.store.submit_store(stores, self.store.engine_ready())
@@ -262,11 +403,10 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         `idle`: this step ran no forward; with a load in flight and none ended yet, drive
         the store here until one ends, at most `IDLE_WAIT_S` (see there)."""
         with self._lock:
-            if idle and self._loads_in_flight and not self._failed_now:
+            if idle and self._loads_in_flight and not self.reports.any_failed_now:
                 self._drive_until(self._a_load_ended, IDLE_WAIT_S)
             outcomes, self._outcomes = self._outcomes, []
-            failed_now, self._failed_now = self._failed_now, set()
-            released, self._released = self._released, set()
+            failed_now, released = self.reports.take_finished()
         finished, failed = set(failed_now) | released, set(failed_now)
         for outcome in outcomes:
             record_outcome(outcome, self._stats)
@@ -292,7 +432,7 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
             report = RankReport(tuple(self._report_keys), bytes(self._report_held),
                                 self._report_reset, self._reflected_step(),
                                 self.store.read_rate.bytes_per_s,
-                                tuple(set(self._given_up.values())), self._step)
+                                self.reports.given_up_requests(), self._step)
             self._clear_report(reset=False)
         return KVOffloadWorkerMetadata({self.rank: report})
 
@@ -318,6 +458,66 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         stored before may be served after). O(host keys); no file is touched."""
         with self._lock:
             self.store.reset()
+
+    # --- sleep mode, shutdown, the interpreter's exit ---
+    # Sleep mode (vLLM >= 0.33) unmaps engine memory: `suspend` lets every copy out of it
+    # and every load into it end first (bounded by `copy_timeout_s`), then loads fail and
+    # stores are skipped until `resume`; write-through from host memory goes on. `shutdown`
+    # and `_flush_at_exit` finish write-through (bounded by `FLUSH_TIMEOUT_S`) and never
+    # raise: a key whose write did not finish is a miss later, never a failed shutdown.
+
+    def suspend(self) -> None:
+        """vLLM is about to unmap engine memory (sleep mode, vLLM >= 0.33): copies out of it
+        end first (past `copy_timeout_s` abandoned), so do loads filling it (bounded alike);
+        until `resume`, loads fail and stores are skipped. Write-through from host memory
+        goes on. Idempotent."""
+        with self._lock:
+            self._suspended = True
+        self.wait_for_engine_copies()
+        with self._lock:
+            if not self._drive_until(lambda: not self._loads_in_flight, self.copy_timeout_s):
+                self.faults.failed("sleep", f"{self._loads_in_flight} load(s) still filling "
+                                   f"engine memory after {self.copy_timeout_s} s; given up")
+                for job_id, job in self._jobs.items():  # (no further copy into that memory)
+                    if job.request_id is not None:
+                        self.store.abandon_load(job_id)
+
+    def resume(self) -> None:
+        """Engine memory is mapped again: loads and stores run again (the tiers kept their
+        KV: hits after a wake-up are served from them). Idempotent."""
+        with self._lock:
+            self._suspended = False
+
+    def shutdown(self) -> None:
+        """Finish write-through, then stop. Never raises."""
+        if self.store is None:
+            return
+        if self._pump is not None:
+            self._pump.stop()
+        with self._lock:
+            try:
+                if not self.store.flush(FLUSH_TIMEOUT_S):
+                    logger.warning("kv-offload rank %d: write-through did not finish before "
+                                   "shutdown; unfinished keys are misses", self.rank)
+                self.store.close()
+            except Exception:  # never fail vLLM's shutdown: unfinished files are just misses
+                logger.exception("kv-offload rank %d: shutdown of the tiers failed", self.rank)
+        self.store = None
+
+    def _flush_at_exit(self) -> None:
+        """The interpreter is exiting (an offline `LLM` script ended without shutting vLLM
+        down; vLLM then shuts the engine down from a finalizer, after Python has stopped
+        every thread pool: the tiers could no longer write). Finish write-through now;
+        vLLM's shutdown, if it comes, finds nothing left to write. Never raises."""
+        with self._lock:
+            if self.store is None:
+                return
+            try:
+                if not self.store.flush(FLUSH_TIMEOUT_S):
+                    logger.warning("kv-offload rank %d: write-through did not finish before "
+                                   "the process exit; unfinished keys are misses", self.rank)
+            except Exception:
+                logger.exception("kv-offload rank %d: write-through at exit failed", self.rank)
 
     # --- internals ---
 
@@ -348,17 +548,14 @@ class OffloadWorker(InStepLoadsOfWorker, LayerWiseOfWorker, LifecycleOfWorker):
         """Lock held: hand each job's result over once (an unknown id was delivered)."""
         now = time.monotonic()
         for result in results:
-            given_up = self._given_up.pop(result.job_id, None)  # (nothing of it runs now)
-            if given_up in self._held and given_up not in self._given_up.values():
-                self._held.discard(given_up)  # vLLM may free its blocks now
-                self._released.add(given_up)
+            self.reports.ended(result.job_id)  # (nothing of it runs now)
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
                 self._outcomes.append(Outcome(result, job, now - job.started))
                 self._loads_in_flight -= job.request_id is not None
                 if job.in_step:  # (its request runs in this step: failures by block)
-                    self._block_errors.update(i for ids in result.failed.values()
-                                              for i in ids)
+                    self.reports.fail_blocks([i for ids in result.failed.values()
+                                              for i in ids])
         if results:
             self._lock.notify_all()
 
