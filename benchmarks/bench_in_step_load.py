@@ -10,7 +10,7 @@ on the same shape as bench_ttft's Llama-like model (per-layer caches, block size
                are consecutive, as in a fresh engine), on the calling thread with torch's
                own intra-op threads: the floor any load pays, when those threads are awake
   plain_1t     the same copies on one thread of a pool (single-threaded torch)
-  backend      `CpuBackend.submit_load` + `wait` of the 62 blocks (our copier, planning
+  backend      `HostTier.submit_load` + `wait` of the 62 blocks (our copier, planning
                included, no worker around it)
   worker       `OffloadWorker.start_loads(..., in_step=...)`: what `start_load_kv` runs
                for an in-step host hit (lookup in the store, the job, the copy, the wait)
@@ -44,7 +44,7 @@ from kv_offload.canonical import canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.kernels.cpu import serial_torch_thread
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.vllm.worker.offload_worker import OffloadWorker
 
@@ -98,7 +98,7 @@ def one_run(blocks: int, rounds: int, engine_blocks: int) -> dict[str, list[floa
         worker.start_stores({0: (hashes, source)})
         worker.wait_for_engine_copies(timeout_s=30)
         # A host tier of its own (the worker's store polls its backend): the same copier.
-        backend = CpuBackend(canonicalize(caches, groups, engine_blocks), blocks * block_bytes)
+        backend = HostTier(canonicalize(caches, groups, engine_blocks), blocks * block_bytes)
         slot_ids = list(range(blocks))
         (stored,) = backend.wait([backend.submit_store({0: (source, slot_ids)})])
         assert stored.success

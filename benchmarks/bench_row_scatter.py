@@ -22,7 +22,7 @@ the pool's rows go to a random half of the engine's rows, as that bench's load d
                       the strategy its cost rule picks: the compiled row loop ("rows",
                       kernels/_host_rows.c) where the install built it
   copier_numpy        the same, forced to numpy's "scatter" (what it ran before that loop)
-  job                 a whole load job through `CpuBackend` (planning included)
+  job                 a whole load job through `HostTier` (planning included)
   job_numpy           the same without the compiled module (numpy and torch strategies,
                       numpy's sort for planning)
   plan_ms /           milliseconds (not a ratio) to plan that load job: check the pairs,
@@ -214,13 +214,13 @@ def one_run(n: int, repeats: int, seed: int) -> dict[str, float]:
     from kv_offload.canonical import canonicalize
     from kv_offload.kernels import cpu as cpu_kernels
     from kv_offload.kernels import plan as plan_kernels
-    from kv_offload.store.host import CpuBackend
+    from kv_offload.store.host import HostTier
     from kv_offload.tools.bench_cpu import fill_pattern, synthetic_model
     from kv_offload.transfer import Direction
 
     model = synthetic_model(PAGE // 1024, 1, 2 * n, "LBNHC")
     canonical = canonicalize(model.kv_caches, model.groups, model.num_blocks)
-    backend = CpuBackend(canonical, n * PAGE)
+    backend = HostTier(canonical, n * PAGE)
     try:
         fill_pattern(model.buffer)
         backend.pool.fill_(3)

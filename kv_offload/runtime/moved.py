@@ -4,7 +4,8 @@
 finder on `sys.meta_path` answers the old name with a thin module that forwards every
 attribute to the module's new home and warns once, with a `DeprecationWarning` naming it.
 The classes are the new module's own (same objects: `isinstance` and pickling see one
-class). Nothing is imported until an old name is asked for.
+class). Nothing is imported until an old name is asked for. A class renamed with its move
+(`RENAMED`: `CpuBackend` is `HostTier`) answers by its old name through the old paths too.
 """
 
 from __future__ import annotations
@@ -38,11 +39,15 @@ MOVED: dict[str, str] = {  # old module -> its new home
     "kv_offload.tp_records": "kv_offload.store.tp.records",
     "kv_offload.tp_tier": "kv_offload.store.tp.tier",
     "kv_offload.backends.cpu": "kv_offload.store.host",
-    "kv_offload.backends.cpu.backend": "kv_offload.store.host.backend",
+    "kv_offload.backends.cpu.backend": "kv_offload.store.host.tier",
     "kv_offload.backends.cpu.layer_copies": "kv_offload.store.host.layer_copies",
     "kv_offload.backends.cpu.pool": "kv_offload.store.host.pool",
     "kv_offload.backends.cpu.prefault": "kv_offload.store.host.prefault",
     "kv_offload.backends.cpu.slots": "kv_offload.store.host.slots",
+}
+# Names that changed with their module (old name -> new), answered through the old paths.
+RENAMED: dict[str, str] = {
+    "CpuBackend": "HostTier",  # one word for the idea: the host tier
 }
 
 
@@ -54,6 +59,11 @@ class _Forward(types.ModuleType):
         self._new = new
 
     def __getattr__(self, name: str) -> Any:
+        if name in RENAMED:
+            warnings.warn(f"{self.__name__}.{name} is now {self._new.__name__}."
+                          f"{RENAMED[name]}; the old name goes in kv-offload {REMOVED_IN}",
+                          DeprecationWarning, stacklevel=2)
+            name = RENAMED[name]
         return getattr(self._new, name)
 
     def __dir__(self) -> list[str]:

@@ -140,7 +140,7 @@ def targets_of(requests: GroupBlocks) -> dict[OffloadKey, list[int]]:
 
 
 def transfers(keys, slots, targets) -> dict[int, tuple[list[int], list[int]]]:
-    """CpuBackend transfers: every target block of each key paired with its slot."""
+    """HostTier transfers: every target block of each key paired with its slot."""
     out: dict[int, tuple[list[int], list[int]]] = {}
     for key, slot in zip(keys, slots):
         blocks, slot_ids = out.setdefault(key[1], ([], []))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from kv_offload.backends.base import StorageTier
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.runtime.faults import FaultLog
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.store.host.layer_copies import LayerSteps
 from kv_offload.store.jobs import HostCopy, StorageJob, StorePiece, TieredResult
 from kv_offload.store.key_view import FIRST_GENERATION, KeyView
@@ -38,7 +38,7 @@ class Tiers:
     """The host tier (its slots and their manager) and the optional storage tier, with the
     view of the keys they hold and what the metrics take from them."""
 
-    def __init__(self, cpu: CpuBackend, manager: OffloadManager, storage: StorageTier | None,
+    def __init__(self, cpu: HostTier, manager: OffloadManager, storage: StorageTier | None,
                  faults: FaultLog, view: KeyView) -> None:
         self.cpu = cpu
         self.manager = manager
@@ -62,7 +62,7 @@ class Tiers:
 class JobBook:
     """Job ids, jobs in flight (by what completes them) and results to hand out."""
 
-    def __init__(self, cpu: CpuBackend) -> None:
+    def __init__(self, cpu: HostTier) -> None:
         self._cpu = cpu
         self._ids = itertools.count(1)
         self._open: set[int] = set()  # jobs whose result is not delivered yet
@@ -88,7 +88,7 @@ class JobBook:
     def submit_copy(self, record: HostCopy, direction: Direction, moves,
                     ready: EngineReady | None = None, layers: LayerSteps | None = None,
                     inline: bool = False) -> None:
-        """Start a host copy (`CpuBackend.submit`) and remember what it is for."""
+        """Start a host copy (`HostTier.submit`) and remember what it is for."""
         self.cpu_jobs[self._cpu.submit(direction, moves, ready, layers, inline)] = record
 
     def copies_of(self, job: object) -> list[int]:

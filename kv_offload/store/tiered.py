@@ -1,6 +1,6 @@
 """TieredStore: the host-memory tier in front of an optional storage tier (disk, servers).
 
-Stores land in host slots (CpuBackend) and are then written through to the storage tier
+Stores land in host slots (HostTier) and are then written through to the storage tier
 in the background; host eviction therefore loses nothing the storage tier holds. A key
 found only in the storage tier is read into a host slot, then copied into the engine like
 a host hit. A load larger than the host tier is staged: its storage keys are read in
@@ -44,7 +44,7 @@ from kv_offload.config import OffloadConfig, format_size
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.runtime.faults import FaultLog
 from kv_offload.store.generations import read_stored_generation, write_stored_generation
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.store.host.layer_copies import LayerSteps
 from kv_offload.store.jobs import (
     HostCopy,
@@ -90,7 +90,7 @@ class TieredStore:
                  report_storage_copies: bool = False, codec: RecordCodec = CHECKSUM,
                  fingerprint: str = "", probe_bytes: int = 0,
                  copy_timeout_s: float = 30.0) -> None:
-        cpu = CpuBackend(canonical, cpu_bytes_to_use, pin=pin, copy_timeout_s=copy_timeout_s)
+        cpu = HostTier(canonical, cpu_bytes_to_use, pin=pin, copy_timeout_s=copy_timeout_s)
         self.tiers = tiers = Tiers(cpu, OffloadManager(cpu.num_slots, eviction_policy),
                                    storage, FaultLog("kv-offload tiers"),
                                    KeyView(report_storage_copies=report_storage_copies))
@@ -241,7 +241,7 @@ class TieredStore:
         skipped. A store larger than the host room is staged (`store.stores`): the job
         ends once every key is in a slot; keys that cannot get room are `skipped`. On a
         GPU every piece's copy waits for `ready` (an event on the engine's stream after the
-        forward that wrote the blocks; `CpuBackend.engine_ready()`), also pieces submitted
+        forward that wrote the blocks; `HostTier.engine_ready()`), also pieces submitted
         later from the pump, so the CPU never waits for the forward. `layers`: submitted
         before the forward ended, every piece copies layer i once its gate opened."""
         # Staged at the next `poll` (the pump's thread), not in the caller's: this call
@@ -255,7 +255,7 @@ class TieredStore:
         stream when the load was planned: it orders them after vLLM's own work on those
         blocks, even for pieces submitted later from another thread). `layers`: a load
         copied in one piece (all its keys in host memory) marks its layers copied in order
-        there, one in several pieces none. `inline`: an in-step load (`CpuBackend.submit`)."""
+        there, one in several pieces none. `inline`: an in-step load (`HostTier.submit`)."""
         # Planned at the next `poll` (the pump's thread), first thing, so its host keys are
         # pinned before that poll stages any store: this call is on the engine's step path.
         return self.loads.submit(requests, ready, layers, inline)

@@ -95,7 +95,7 @@ def fill_pattern(buffer: torch.Tensor) -> None:
 
 
 def bench_cpu(args: argparse.Namespace) -> dict:
-    from kv_offload.store.host import CpuBackend
+    from kv_offload.store.host import HostTier
 
     rng = np.random.default_rng(args.seed)
     model, canonical, per_group = build_model(args)
@@ -104,7 +104,7 @@ def bench_cpu(args: argparse.Namespace) -> dict:
     slots_needed = per_group * len(model.groups)
     num_slots = slots_needed * (2 if pattern == "scattered" else 1)
     slot_bytes = max(canonical.slot_bytes_per_block(g) for g in groups)
-    backend = CpuBackend(canonical, num_slots * slot_bytes)
+    backend = HostTier(canonical, num_slots * slot_bytes)
     failed = FailedBlocks()
     try:
         fill_pattern(model.buffer)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.tools import bench, bench_cpu
 from kv_offload.tools.cli import main
 
@@ -44,7 +44,7 @@ def test_bench_runs_and_writes_json(tmp_path, capsys, extra, page_bytes):
     assert "store" in table and "load" in table and "baseline" in table
 
 
-class _MisreportingBackend(CpuBackend):
+class _MisreportingBackend(HostTier):
     """A real backend whose row lookup is off by one row: the bytes it points
     the check at are the wrong ones."""
 
@@ -63,7 +63,7 @@ def test_byte_check_counts_misplaced_bytes():
     stores = {0: (blocks, np.arange(per_group))}
     loads = {0: (rng.permutation(model.num_blocks)[:per_group], np.arange(per_group))}
     failed = bench_cpu.FailedBlocks()
-    with CpuBackend(canonical, per_group * canonical.slot_bytes_per_block(0)) as good:
+    with HostTier(canonical, per_group * canonical.slot_bytes_per_block(0)) as good:
         assert bench_cpu._verify(good, canonical, model, stores, loads, failed) == 0
     bench_cpu.fill_pattern(model.buffer)
     with _MisreportingBackend(canonical, per_group * canonical.slot_bytes_per_block(0)) as bad:

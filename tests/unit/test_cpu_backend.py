@@ -1,4 +1,4 @@
-"""CpuBackend: asynchronous stores and loads on real worker threads, failures as
+"""HostTier: asynchronous stores and loads on real worker threads, failures as
 failed jobs, overlapping stores and loads, the byte budget."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from test_kernels import engine_page, randomize, reference_load, reference_store
 
 from kv_offload import canonicalize
 from kv_offload.errors import ConfigError, TierClosedError, TransferError
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.testing.example_models import build_example
 from kv_offload.transfer import Direction
 
 WAIT_S = 60  # generous: only reached if a worker hangs
 
 
-def logical_pool(backend: CpuBackend) -> torch.Tensor:
+def logical_pool(backend: HostTier) -> torch.Tensor:
     """The pool as the manager sees it: row i holds slot i (a copy)."""
     return backend.pool[torch.from_numpy(backend.pool_rows(np.arange(backend.num_slots)))]
 
@@ -41,7 +41,7 @@ def gemma():
 
 def test_store_scribble_load_round_trip(gemma):
     model, canonical = gemma
-    with CpuBackend(canonical, 10 * (1 << 20)) as backend:
+    with HostTier(canonical, 10 * (1 << 20)) as backend:
         assert backend.num_slots == 10 and backend.slot_bytes == 1 << 20
         stores = {0: ([7, 2, 9], [4, 0, 8]), 3: ([5], [1])}  # overlaid groups, one job
         expected_pool = reference_store(canonical, logical_pool(backend), stores)
@@ -69,7 +69,7 @@ def test_store_scribble_load_round_trip(gemma):
 ])
 def test_bad_jobs_fail_without_raising(gemma, transfers, message):
     _, canonical = gemma
-    with CpuBackend(canonical, 10 << 20) as backend:
+    with HostTier(canonical, 10 << 20) as backend:
         before = backend.pool.clone()
         job = backend.submit_store(transfers)
         (result,) = backend.wait([job], timeout=WAIT_S)
@@ -80,7 +80,7 @@ def test_bad_jobs_fail_without_raising(gemma, transfers, message):
 
 def test_failed_job_names_its_blocks(gemma):
     _, canonical = gemma
-    with CpuBackend(canonical, 10 << 20) as backend:
+    with HostTier(canonical, 10 << 20) as backend:
         job = backend.submit_load({0: ([3, 4], [1, 1]), 2: ([5], [99])})
         (result,) = backend.wait([job], timeout=WAIT_S)
         assert not result.success
@@ -92,7 +92,7 @@ def test_failed_job_names_its_blocks(gemma):
 def test_exception_inside_the_copy_is_a_failed_job(direction, inline):
     model = build_example("llama-8b", 4)
     canonical = canonicalize(model.kv_caches, model.groups, 4)
-    with CpuBackend(canonical, 4 << 21) as backend:
+    with HostTier(canonical, 4 << 21) as backend:
         model.buffer.untyped_storage().resize_(0)  # the engine memory is gone
         job = backend.submit(direction, {0: ([1, 2], [0, 1])}, inline=inline)  # never raises
         (result,) = backend.wait([job], timeout=WAIT_S)
@@ -108,7 +108,7 @@ def test_an_inline_load_is_copied_on_the_calling_thread_before_submit_returns(ge
     # thread, so it copies itself (one thread hand-off less); a bad job is still a failed
     # result, never an exception.
     model, canonical = gemma
-    with CpuBackend(canonical, 10 << 20) as backend:
+    with HostTier(canonical, 10 << 20) as backend:
         (stored,) = backend.wait([backend.submit_store({0: ([7, 2], [4, 0])})], timeout=WAIT_S)
         assert stored.success
         randomize(model.buffer, 3)
@@ -135,7 +135,7 @@ def test_an_inline_load_whose_copy_threads_are_stuck_fails_within_its_bound(gemm
     # The engine thread copies an inline load itself: a stuck copy thread must fail the job
     # (its blocks recompute), not hold the engine, as the worker's bound does for queued ones.
     _, canonical = gemma
-    with CpuBackend(canonical, 10 << 20, copy_timeout_s=0.5) as backend:
+    with HostTier(canonical, 10 << 20, copy_timeout_s=0.5) as backend:
         copier = backend.copier._cpu
         release = threading.Event()
         stuck = [copier._pool(Direction.LOAD).submit(release.wait) for _ in range(copier.threads)]
@@ -160,7 +160,7 @@ def test_an_inline_load_whose_copy_threads_are_stuck_fails_within_its_bound(gemm
 
 def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
     model, canonical = gemma
-    with CpuBackend(canonical, 12 << 20) as backend:
+    with HostTier(canonical, 12 << 20) as backend:
         (r,) = backend.wait([backend.submit_store({1: (range(6, 12), range(6, 12))})])
         assert r.success
         store_pairs = {0: (list(range(6))[::-1], list(range(6)))}
@@ -191,7 +191,7 @@ def test_concurrent_stores_and_loads_on_disjoint_memory(gemma):
 
 def test_poll_returns_each_result_once_and_wait_rejects_unknown_ids(gemma):
     _, canonical = gemma
-    backend = CpuBackend(canonical, 4 << 20)
+    backend = HostTier(canonical, 4 << 20)
     ids = [backend.submit_store({0: ([i], [i])}) for i in range(4)]
     assert len(set(ids)) == 4
     seen = {}
@@ -214,7 +214,7 @@ def test_poll_returns_each_result_once_and_wait_rejects_unknown_ids(gemma):
 
 def test_budget_sizes_the_pool(gemma):
     _, canonical = gemma
-    with CpuBackend(canonical, (3 << 20) + 5) as backend:
+    with HostTier(canonical, (3 << 20) + 5) as backend:
         assert backend.num_slots == 3 and tuple(backend.pool.shape) == (3, 1 << 20)
         assert backend.pinned == torch.cuda.is_available()
         assert backend.slot_buffer(2).shape == (1 << 20,)
@@ -223,9 +223,9 @@ def test_budget_sizes_the_pool(gemma):
         with pytest.raises(TransferError, match="slot 3 is out of range"):
             backend.slot_buffer(3)
     with pytest.raises(ConfigError, match="smaller than one host slot"):
-        CpuBackend(canonical, (1 << 20) - 1)
+        HostTier(canonical, (1 << 20) - 1)
     with pytest.raises(ConfigError, match="must be an int"):
-        CpuBackend(canonical, 1.5e9)
+        HostTier(canonical, 1.5e9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
@@ -234,7 +234,7 @@ def test_pool_is_pinned_with_cuda(gemma):
     _, canonical = gemma
     import cupy
 
-    with CpuBackend(canonical, 2 << 20) as backend:
+    with HostTier(canonical, 2 << 20) as backend:
         assert backend.pinned
         # The driver's word (torch's is_pinned() can miss memory from cudaHostRegister).
         attributes = cupy.cuda.runtime.pointerGetAttributes(backend.pool.data_ptr())
@@ -248,7 +248,7 @@ def test_many_random_jobs_match_reference():
     randomize(model.buffer, 5)
     canonical = canonicalize(model.kv_caches, model.groups, 6)
     rng = np.random.default_rng(0)
-    with CpuBackend(canonical, 5 * canonical.data_bytes_per_block(0)) as backend:
+    with HostTier(canonical, 5 * canonical.data_bytes_per_block(0)) as backend:
         expected = logical_pool(backend)
         for _ in range(6):
             blocks = rng.choice(6, size=3, replace=False).tolist()
@@ -271,7 +271,7 @@ def test_store_reads_engine_memory_in_address_order():
     order, the rows come out sorted the same way as the blocks."""
     model = build_example("llama-8b", 8)
     canonical = canonicalize(model.kv_caches, model.groups, 8)
-    with CpuBackend(canonical, 4 * canonical.slot_bytes_per_block(0)) as backend:
+    with HostTier(canonical, 4 * canonical.slot_bytes_per_block(0)) as backend:
         blocks, slots = [6, 1, 7, 3], [0, 1, 2, 3]
         assert backend.wait([backend.submit_store({0: (blocks, slots)})])[0].success
         rows = backend.pool_rows(slots)
@@ -284,7 +284,7 @@ def test_with_the_offload_manager_slots_and_evictions(gemma):
     from kv_offload.store.manager import OffloadManager
 
     model, canonical = gemma
-    with CpuBackend(canonical, 4 << 20) as backend:
+    with HostTier(canonical, 4 << 20) as backend:
         manager = OffloadManager(backend.num_slots)
         pages = {}  # key -> the engine bytes of its block when it was stored
 

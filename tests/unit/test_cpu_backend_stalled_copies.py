@@ -1,4 +1,4 @@
-"""CpuBackend when a copy thread stalls (the OS does not run it, a page fault that takes
+"""HostTier when a copy thread stalls (the OS does not run it, a page fault that takes
 seconds): the caller stops waiting at its bound, yet the job ends only once nothing of it
 touches memory any more, and a copy given up on writes nothing more. Real threads and
 real copies; the stall is a share held at its start until the test releases it (what an
@@ -17,7 +17,7 @@ from test_kernels import randomize, reference_load
 from kv_offload.canonical import canonicalize
 from kv_offload.kernels import cpu as cpu_kernels
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.store.host.layer_copies import LayerSteps
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.transfer import Direction
@@ -81,7 +81,7 @@ def returned(out: list, patience_s: float = 10.0) -> bool:
 def test_an_inline_load_past_its_bound_returns_but_ends_only_after_its_stalled_copy(
         gemma, monkeypatch):
     model, canonical = gemma
-    with CpuBackend(canonical, 10 << 20, copy_timeout_s=BOUND_S) as backend:
+    with HostTier(canonical, 10 << 20, copy_timeout_s=BOUND_S) as backend:
         (stored,) = backend.wait([backend.submit_store({0: ([7, 2], [4, 0])})], timeout=WAIT_S)
         assert stored.success
         randomize(model.buffer, 3)  # engine memory now differs from slots 4 and 0
@@ -108,7 +108,7 @@ def test_an_inline_load_past_its_bound_returns_but_ends_only_after_its_stalled_c
 
 def test_a_cancelled_job_queued_behind_a_stalled_one_never_copies(gemma, monkeypatch):
     model, canonical = gemma
-    with CpuBackend(canonical, 10 << 20, copy_timeout_s=WAIT_S) as backend:
+    with HostTier(canonical, 10 << 20, copy_timeout_s=WAIT_S) as backend:
         (stored,) = backend.wait([backend.submit_store({0: ([7, 2], [4, 0])})], timeout=WAIT_S)
         assert stored.success
         randomize(model.buffer, 3)
@@ -130,7 +130,7 @@ def test_a_cancelled_job_queued_behind_a_stalled_one_never_copies(gemma, monkeyp
 
 def test_close_does_not_wait_forever_for_a_stalled_copy(gemma, monkeypatch):
     _, canonical = gemma
-    backend = CpuBackend(canonical, 10 << 20, copy_timeout_s=BOUND_S, close_timeout_s=BOUND_S)
+    backend = HostTier(canonical, 10 << 20, copy_timeout_s=BOUND_S, close_timeout_s=BOUND_S)
     stall = Stall(monkeypatch)
     job = backend.submit(Direction.LOAD, {0: (np.array([3]), np.array([4]))}, inline=True)
     assert stall.held.is_set()
@@ -149,7 +149,7 @@ def test_a_load_cut_per_layer_that_is_cancelled_copies_no_further_layer(monkeypa
     buffer, caches = allocate_kv_caches([KVCacheGroup(layers, spec)], 16, "LBHNC")
     randomize(buffer, 5)
     canonical = canonicalize(caches, [KVCacheGroup(layers, spec)], 16)
-    with CpuBackend(canonical, 4 * 4 * spec.page_size_bytes, copy_timeout_s=WAIT_S) as backend:
+    with HostTier(canonical, 4 * 4 * spec.page_size_bytes, copy_timeout_s=WAIT_S) as backend:
         assert backend.layer_copier is not None  # (this view is cut per layer)
         (stored,) = backend.wait([backend.submit_store({0: ([1, 2], [0, 1])})], timeout=WAIT_S)
         assert stored.success

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kv_offload import canonicalize
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.store.manager import OffloadManager
 from kv_offload.testing.example_models import build_example
 
@@ -30,7 +30,7 @@ def canonical():
 
 
 def test_slots_no_one_used_yet_are_written_without_page_faults(canonical):
-    with CpuBackend(canonical, 64 << 20, pin=False) as backend:  # 64 slots of 1 MiB
+    with HostTier(canonical, 64 << 20, pin=False) as backend:  # 64 slots of 1 MiB
         assert backend.prefaulter is not None
         pages = 16 * backend.slot_bytes // 4096
         assert backend.prefaulter.wait_until(16 * backend.slot_bytes, WAIT_S)
@@ -40,7 +40,7 @@ def test_slots_no_one_used_yet_are_written_without_page_faults(canonical):
 
 
 def test_the_pages_ahead_follow_the_highest_slot_handed_out_and_keep_their_bytes(canonical):
-    with CpuBackend(canonical, 64 << 20, pin=False) as backend:
+    with HostTier(canonical, 64 << 20, pin=False) as backend:
         pool, slot = backend.pool, backend.slot_bytes
         pool[40:42].fill_(7)  # bytes already there (a copy racing the thread) stay
         backend.prefaulter._ahead = 4 * slot  # (a small window, to see it move)
@@ -96,7 +96,7 @@ def test_with_most_of_the_window_left_the_refill_waits_until_demand_pauses(canon
     from kv_offload.store.host import prefault
 
     monkeypatch.setattr(prefault, "AHEAD_BYTES", 32 << 20)  # 32 slots of 1 MiB, of 64
-    with CpuBackend(canonical, 64 << 20, pin=False) as backend:
+    with HostTier(canonical, 64 << 20, pin=False) as backend:
         prefaulter, slot = backend.prefaulter, backend.slot_bytes
         prefaulter._settle_s = 2.0  # (generous: this thread must ask more often than that)
         assert prefaulter.wait_until(32 * slot, WAIT_S)  # the first window: at once

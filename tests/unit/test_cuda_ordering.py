@@ -19,7 +19,7 @@ from test_kernels import randomize, reference_load, reference_store
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
 from kv_offload.errors import TransferError
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(compiler() is None,
@@ -37,18 +37,18 @@ def small_model(num_blocks: int = 16, layers: int = 4):
 
 @pytest.fixture
 def gpu_backend():
-    """A CpuBackend on the GPU path over host memory; the engine stream is the
+    """A HostTier on the GPU path over host memory; the engine stream is the
     runtime's `engine` stream."""
     buffer, canonical = small_model()
     runtime = HostCudaRuntime()
     runtime.register(buffer)
-    backend = CpuBackend(canonical, 12 * canonical.slot_bytes_per_block(0), runtime=runtime)
+    backend = HostTier(canonical, 12 * canonical.slot_bytes_per_block(0), runtime=runtime)
     yield backend, runtime, buffer, canonical
     runtime.release(runtime.engine)
     backend.close()
 
 
-def settle(backend: CpuBackend, in_flight: int) -> None:
+def settle(backend: HostTier, in_flight: int) -> None:
     """Wait until the workers have enqueued everything (`in_flight` jobs wait on GPU)."""
     deadline = time.monotonic() + WAIT_S
     while backend.jobs_in_flight != in_flight:
@@ -175,7 +175,7 @@ def test_a_failed_runtime_call_fails_the_job_and_names_its_blocks():
     (cudaErrorInvalidValue); the job fails, nothing raises, the next job works."""
     buffer, canonical = small_model()
     runtime = HostCudaRuntime(batch=False)
-    with CpuBackend(canonical, 4 * canonical.slot_bytes_per_block(0),
+    with HostTier(canonical, 4 * canonical.slot_bytes_per_block(0),
                     runtime=runtime) as backend:
         (result,) = backend.wait([backend.submit_store({0: ([5, 6], [0, 1])})], timeout=WAIT_S)
         assert not result.success and "outside known memory" in result.error

@@ -31,7 +31,7 @@ from test_kernels_cuda_property import job, models, run_path
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda_batch import MIN_DRIVER_VERSION
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(
@@ -133,7 +133,7 @@ def test_a_store_waits_on_the_gpu_for_the_forward_recorded_before_it(engine_stre
     randomize(mirror, 7)  # what the forward writes
     forward = mirror.cuda()
     stores = {0: ([3, 4, 5, 9], [0, 1, 2, 7])}
-    with CpuBackend(canonical, 12 * canonical.slot_bytes_per_block(0)) as backend:
+    with HostTier(canonical, 12 * canonical.slot_bytes_per_block(0)) as backend:
         expected = reference_store(mirror_canonical, logical_pool(backend), stores)
         engine_busy()
         buffer.copy_(forward)  # the forward, still queued behind the busy stream
@@ -149,7 +149,7 @@ def test_a_load_lands_after_the_engine_zeroes_its_blocks(engine_stream):
     randomize(mirror, 8)
     buffer.copy_(mirror)
     stores, loads = {0: ([1, 2, 6], [4, 5, 0])}, {0: ([10, 11, 12], [4, 5, 0])}
-    with CpuBackend(canonical, 12 * canonical.slot_bytes_per_block(0)) as backend:
+    with HostTier(canonical, 12 * canonical.slot_bytes_per_block(0)) as backend:
         assert backend.wait([backend.submit_store(stores, ready=backend.engine_ready())],
                             timeout=WAIT_S)[0].success
         mirror.zero_()
@@ -196,7 +196,7 @@ def test_a_closed_backend_unpins_its_pool_so_the_next_backend_can_pin_one():
     range made the next pool that overlapped it fail to pin (seen on an H200)."""
     _, canonical, _, _ = gpu_model()
     for _ in range(5):
-        backend = CpuBackend(canonical, 8 << 20)
+        backend = HostTier(canonical, 8 << 20)
         runtime, pool = backend.copier.runtime, backend.pool
         assert backend.pinned and runtime.page_locked(pool)
         backend.close()

@@ -26,7 +26,7 @@ from test_kernels import randomize, reference_load, reference_store, small_hybri
 from kv_offload import FullAttentionSpec, KVCacheGroup, canonicalize
 from kv_offload.kernels import BlockCopier, Direction, HostSlotLayout
 from kv_offload.kernels.cuda import MAX_GRID
-from kv_offload.store.host import CpuBackend
+from kv_offload.store.host import HostTier
 from kv_offload.testing.engine_alloc import LAYOUTS, allocate_kv_caches
 from kv_offload.testing.example_models import EXAMPLE_MODELS, build_example, group_layers
 
@@ -167,7 +167,7 @@ def test_backend_on_the_gpu_path_round_trips_every_group():
     runtime = HostCudaRuntime()
     runtime.register(model.buffer)
     randomize(model.buffer, 4)
-    with CpuBackend(canonical, 6 << 20, runtime=runtime) as backend:
+    with HostTier(canonical, 6 << 20, runtime=runtime) as backend:
         stores = {0: ([5, 1, 2], [3, 0, 4]), 4: ([7], [5])}
         expected_pool = reference_store(canonical, logical_pool(backend), stores)
         assert backend.wait([backend.submit_store(stores)])[0].success
@@ -226,7 +226,7 @@ def test_backend_on_gpu_pins_and_round_trips():
     cpu_buffer, cpu_canonical = cpu_mirror(groups, 8, "LBNHC")
     randomize(cpu_buffer, 4)
     gpu_buffer.copy_(cpu_buffer)
-    with CpuBackend(canonical, 6 << 20) as backend:
+    with HostTier(canonical, 6 << 20) as backend:
         assert backend.pinned and backend.copier.runtime.page_locked(backend.pool)
         stores = {0: ([5, 1, 2], [3, 0, 4])}
         expected_pool = reference_store(cpu_canonical, logical_pool(backend), stores)

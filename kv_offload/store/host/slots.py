@@ -5,7 +5,7 @@ and it puts them in engine-address order. The copy then reads engine memory
 front to back instead of jumping around; on this machine random-order reads of
 16 KiB pages run at about two thirds of the speed of ordered ones, while the
 order of writes hardly matters. Loads and secondary tiers find a slot's bytes
-through the map (`CpuBackend.slot_buffer`); a slot keeps its row until a later
+through the map (`HostTier.slot_buffer`); a slot keeps its row until a later
 store of that same slot.
 """
 

@@ -1,4 +1,4 @@
-"""CpuBackend: the primary tier, engine blocks <-> host-memory slots, asynchronously.
+"""HostTier: the primary tier, engine blocks <-> host-memory slots, asynchronously.
 
 One slot holds one block of one cache group (layout: kv_offload/kernels/geometry.py). The
 scheduler-side manager hands out slot ids in `[0, num_slots)`; this class only
@@ -78,7 +78,7 @@ class _InFlight:
     started: float
 
 
-class CpuBackend:
+class HostTier:
     """Host-memory tier for one engine's canonical KV caches."""
 
     def __init__(self, canonical: CanonicalKVCaches, cpu_bytes_to_use: int, *,
@@ -185,7 +185,7 @@ class CpuBackend:
         cancelled = None if self.copier.asynchronous else threading.Event()
         with self._cond:
             if self._closed:
-                raise TierClosedError("CpuBackend is closed; no new jobs are accepted")
+                raise TierClosedError("HostTier is closed; no new jobs are accepted")
             job_id = next(self._ids)
             self._pending.add(job_id)
             if cancelled is not None:
@@ -274,7 +274,7 @@ class CpuBackend:
         if self.layer_copier is not None:
             self.layer_copier.close()
 
-    def __enter__(self) -> CpuBackend:
+    def __enter__(self) -> HostTier:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
