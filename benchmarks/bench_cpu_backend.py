@@ -1,4 +1,4 @@
-"""Sweep `kv-offload bench --backend cpu` over page sizes and the example models.
+"""Sweep `kv-offload bench --tier host` over page sizes and the example models.
 
 Prints one table and writes all results as a JSON list. Each row is measured
 side by side with its own baseline (one torch copy of the same bytes).
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             case + ["--repeats", args.repeats, "--batch-mib", args.batch_mib])
         check_bench_arguments(case_args)
         results.append(bench_cpu(case_args))
-    table = Table("kv-offload bench --backend cpu, every case: GB/s, best of the repeats; "
+    table = Table("kv-offload bench --tier host, every case: GB/s, best of the repeats; "
                   "ratios to the baseline of the same row",
                   ("case", "page B", "blocks", "base st", "store", "base ld", "load", "st/b",
                    "ld/b", "bad", "strategies (store/load)"))

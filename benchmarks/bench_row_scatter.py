@@ -1,6 +1,6 @@
 """How fast can 2 KiB pages be scattered into random engine blocks on this machine?
 
-Issue 23 asks loads of 2 KiB pages (`kv-offload bench --backend cpu --page-kib 2`) to reach
+Issue 23 asks loads of 2 KiB pages (`kv-offload bench --tier host --page-kib 2`) to reach
 0.5x of a plain torch copy, or a profile showing why the machine cannot. This measures, side
 by side in one process on the same buffers (an engine of 2N rows of 2 KiB, a pool of N rows;
 the pool's rows go to a random half of the engine's rows, as that bench's load does):

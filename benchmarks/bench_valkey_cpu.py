@@ -1,6 +1,6 @@
 """Where the Valkey tier's throughput goes: CPU seconds per GB, client and server apart.
 
-`kv-offload bench --backend valkey` reports GB/s; on a machine with few cores shared with
+`kv-offload bench --tier valkey` reports GB/s; on a machine with few cores shared with
 other jobs that number says more about the machine than about the tier. This script moves
 ``--total-mib`` of 4 MiB values (``--value-kib``) through a `ValkeyTier` on a loopback
 ``redis-server`` (filled until it evicts, as the bench does), store then load, and measures

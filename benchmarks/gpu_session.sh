@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What runs on a GPU machine, in one go (issue 27): the tests that need a GPU, the same
 # tests with each GPU ordering bug planted (they must fail), the copy paths' benchmark and
-# `kv-offload bench --backend cpu --device cuda`, then the whole unit suite with a GPU
+# `kv-offload bench --tier host --device cuda`, then the whole unit suite with a GPU
 # present. Needs torch with CUDA, cupy and cuda-bindings (kv-offload[cuda]); nothing is
 # installed: the tree is imported from here (PYTHONPATH).
 #
@@ -54,9 +54,9 @@ CupyRuntime.stream_wait_event = lambda self, stream, event: None" "waits or zero
 planted "a job's descriptor buffer goes back to the pool at once" \
     "from kv_offload.kernels.cuda import CudaJob
 CudaJob.hold = lambda self, buffer: self._pool.release(buffer)" "descriptors"
-planted "a closed backend leaves its pool pinned" \
-    "from kv_offload.store.host import backend
-backend.release_pinned = lambda pool: None" "unpins"
+planted "a closed host tier leaves its pool pinned" \
+    "from kv_offload.store.host import tier
+tier.release_pinned = lambda pool: None" "unpins"
 
 if [ -z "${SKIP_BENCH:-}" ]; then
 
@@ -69,15 +69,15 @@ for knob in "chunk-kib 64" "grid 132" "grid 528"; do  # the kernel's knobs, kern
         --json "$OUT/cuda_paths_${knob// /}.json" | tail -32
 done
 
-step "kv-offload bench --backend cpu --device cuda"
+step "kv-offload bench --tier host --device cuda"
 for args in "--model llama-8b" "--model llama-8b --pattern scattered" \
             "--page-kib 2 --layers 32" "--page-kib 2 --layers 32 --pattern scattered" \
             "--page-kib 16 --layers 32" "--page-kib 16 --layers 32 --pattern scattered" \
             "--model qwen3-next" "--model deepseek-mla"; do
-    echo "--- kv-offload bench --backend cpu --device cuda $args"
+    echo "--- kv-offload bench --tier host --device cuda $args"
     # shellcheck disable=SC2086
     timeout 120 python3 -c "import sys; from kv_offload.tools.cli import main; sys.exit(main())" \
-        bench --backend cpu --device cuda --repeats 5 $args --json - >>"$OUT/bench_cpu.jsonl"
+        bench --tier host --device cuda --repeats 5 $args --json - >>"$OUT/bench_cpu.jsonl"
 done
 
 fi  # SKIP_BENCH

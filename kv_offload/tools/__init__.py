@@ -5,7 +5,7 @@ Contents:
 - `demo`: the real vLLM engine with the connector over cold, CPU-tier and disk-tier passes.
 - `inspect_cmd`: canonicalise the example models and show what would be offloaded.
 - `report`: what every subcommand shows and writes: `Table`, the JSON `envelope`, `Progress`.
-- `bench`: `kv-offload bench`: the flags every backend shares, which it honours, the refusals.
+- `bench`: `kv-offload bench`: the flags every tier shares, which it honours, the refusals.
 - `bench_cpu`: the host tier's store/load copies against a plain torch copy.
 - `bench_tiers`: the harness for storage tiers (cells of value size x connections).
 - `bench_filesystem`: the filesystem tier against raw O_DIRECT I/O of the same bytes.

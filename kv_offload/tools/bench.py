@@ -1,23 +1,24 @@
-"""`kv-offload bench`: store/load throughput of one backend against a baseline measured in the
+"""`kv-offload bench`: store/load throughput of one tier against a baseline measured in the
 same run, every byte checked.
 
-Backends: ``cpu`` (the host tier's copies against a plain torch copy, `bench_cpu`),
+Tiers (`--tier`): ``host`` (the host tier's copies against a plain torch copy, `bench_cpu`),
 ``filesystem`` (the disk tier against raw O_DIRECT I/O of the same bytes), ``valkey``, ``s3``
 and any ``package.module:ClassName`` storage tier (against the filesystem tier; `bench_tiers`).
+The old spellings (``--backend``, ``cpu``) still work until 0.2, with a note on stderr.
 
-Every backend honours the common flags the same way, or refuses the run:
+Every tier honours the common flags the same way, or refuses the run:
 
 - ``--repeats N``: runs per measurement; the JSON keeps every sample and reports the best
   (`report.STATISTIC`).
 - ``--seed N``: the random data and block/slot choices.
-- ``--batch-mib N``: bytes per submitted job (the CPU tier: one job; tiers: keys per job =
-  batch / value size).
-- ``--page-kib N``: the unit moved per key: the CPU tier's page (a synthetic model), a tier's
-  value size (several values: a sweep).
+- ``--batch-mib N``: bytes per submitted job (the host tier: one job; storage tiers: keys
+  per job = batch / value size).
+- ``--page-kib N``: the unit moved per key: the host tier's page (a synthetic model), a
+  storage tier's value size (several values: a sweep).
 - ``--json PATH``: the envelope of `report` (``-``: stdout, the table then goes to stderr).
 
-A flag a backend cannot honour (``--fs-root`` for ``cpu``, ``--layout`` for ``valkey``...)
-is refused with a message naming the flag and the backend, exit status 2: nothing is ever
+A flag a tier cannot honour (``--fs-root`` for ``host``, ``--layout`` for ``valkey``...) is
+refused with a message naming the flag and the tier, exit status 2: nothing is ever
 silently ignored. Exit status 1 when any byte mismatched or any key failed.
 """
 
@@ -35,12 +36,14 @@ from kv_offload.testing.example_models import EXAMPLE_MODELS
 from kv_offload.tools.plots import plot_path
 from kv_offload.tools.report import STATISTIC, Table, emit, envelope, output_path
 
-BUILTIN_BACKENDS = ("cpu", "filesystem", "valkey", "s3")
+BUILTIN_TIERS = ("host", "filesystem", "valkey", "s3")
+# Old spellings, accepted with a note on stderr until 0.2: --backend NAME, and "cpu".
+OLD_TIER_NAMES = {"cpu": "host"}
 COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
 TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes", "plot")
-# The flags each backend honours besides COMMON; any other flag given is refused.
+# The flags each tier honours besides COMMON; any other flag given is refused.
 HONOURED: dict[str, tuple[str, ...]] = {
-    "cpu": ("model", "layers", "layout", "pattern", "device"),
+    "host": ("model", "layers", "layout", "pattern", "device"),
     "filesystem": TIER_FLAGS,
     "valkey": (*TIER_FLAGS, "url", "cluster"),
     "s3": (*TIER_FLAGS, "endpoint_url", "bucket"),
@@ -49,25 +52,26 @@ HONOURED: dict[str, tuple[str, ...]] = {
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    # Backend-specific flags default to None, so a flag the user gave can be told apart
+    # Tier-specific flags default to None, so a flag the user gave can be told apart
     # from one left alone (and refused where it does not apply).
-    parser.add_argument("--backend", default="cpu", metavar="NAME",
-                        help=f"{', '.join(BUILTIN_BACKENDS)} or package.module:ClassName (a "
-                             "StorageTier, benchmarked like valkey/s3; default cpu)")
-    common = parser.add_argument_group("every backend")
+    parser.add_argument("--tier", default=None, metavar="NAME",
+                        help=f"{', '.join(BUILTIN_TIERS)} or package.module:ClassName (a "
+                             "StorageTier, benchmarked like valkey/s3; default host)")
+    parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # (old --tier)
+    common = parser.add_argument_group("every tier")
     common.add_argument("--repeats", type=int, default=3,
                         help=f"runs per measurement; the {STATISTIC} is reported (default 3)")
     common.add_argument("--seed", type=int, default=0, help="random data and choices")
     common.add_argument("--batch-mib", type=float, default=None, metavar="MIB",
-                        help="bytes per job (default: cpu 256; filesystem 16 values; "
+                        help="bytes per job (default: host 256; filesystem 16 values; "
                              "valkey/s3 4 values)")
     common.add_argument("--page-kib", type=int, nargs="+", default=None, metavar="KIB",
-                        help="bytes per key: cpu: the page of a synthetic model (overrides "
+                        help="bytes per key: host: the page of a synthetic model (overrides "
                              "--model); tiers: value sizes, a sweep (default: filesystem "
                              "2048; valkey/s3 1024 4096 16384)")
     common.add_argument("--json", metavar="PATH", type=output_path,
                         help="write the results here ('-': stdout, the table to stderr)")
-    cpu = parser.add_argument_group("--backend cpu")
+    cpu = parser.add_argument_group("--tier host")
     cpu.add_argument("--model", choices=sorted(EXAMPLE_MODELS), default=None,
                      help="example model (default llama-8b)")
     cpu.add_argument("--layers", type=int, default=None,
@@ -80,7 +84,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     cpu.add_argument("--device", choices=["cpu", "cuda"], default=None,
                      help="where the engine's kv_caches live (default cpu); cuda: the GPU "
                           "path (needs kv-offload[cuda]), the host pool pinned")
-    tiers = parser.add_argument_group("--backend filesystem|valkey|s3|module:Class")
+    tiers = parser.add_argument_group("--tier filesystem|valkey|s3|module:Class")
     tiers.add_argument("--fs-root", default=None,
                        help="a directory on the disk to measure, not tmpfs (default "
                             "/tmp/kv-offload-bench)")
@@ -109,27 +113,45 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="module:Class: its storage_options, as JSON (default {})")
 
 
-def backend_kind(backend: str) -> str:
-    if backend in BUILTIN_BACKENDS:
-        return backend
-    if ":" in backend:
+def tier_kind(tier: str) -> str:
+    if tier in BUILTIN_TIERS:
+        return tier
+    if ":" in tier:
         return "module:Class"
-    raise BenchArgumentError(f"--backend {backend!r}: expected one of "
-                             f"{', '.join(BUILTIN_BACKENDS)} or package.module:ClassName")
+    raise BenchArgumentError(f"--tier {tier!r}: expected one of "
+                             f"{', '.join(BUILTIN_TIERS)} or package.module:ClassName")
+
+
+def settle_tier(args: argparse.Namespace) -> None:
+    """`args.tier` from `--tier`, or from the old spellings (`--backend`, `cpu`) with a note
+    on stderr naming the new one; default host."""
+    if args.backend is not None:
+        if args.tier is not None:
+            raise BenchArgumentError("--backend is the old name of --tier: give only --tier")
+        print("kv-offload bench: --backend is now --tier (the old flag goes in 0.2)",
+              file=sys.stderr)
+        args.tier = args.backend
+    args.tier = args.tier or "host"
+    if args.tier in OLD_TIER_NAMES:
+        new = OLD_TIER_NAMES[args.tier]
+        print(f"kv-offload bench: the {args.tier!r} tier is now {new!r} (the old name goes "
+              f"in 0.2)", file=sys.stderr)
+        args.tier = new
 
 
 def check_bench_arguments(args: argparse.Namespace) -> None:
-    """Raise BenchArgumentError for any flag the backend cannot honour or any bad value."""
-    kind = backend_kind(args.backend)
+    """Raise BenchArgumentError for any flag the tier cannot honour or any bad value."""
+    settle_tier(args)
+    kind = tier_kind(args.tier)
     given = [name for name in vars(args)
-             if name not in ("backend", "run", "command") and name not in COMMON
+             if name not in ("tier", "backend", "run", "command") and name not in COMMON
              and getattr(args, name) is not None]
     for name in given:
         if name not in HONOURED[kind]:
             users = [b for b, flags in HONOURED.items() if name in flags]
             raise BenchArgumentError(
-                f"--{name.replace('_', '-')} does not apply to --backend {args.backend} "
-                f"(only to {', '.join(users)}); this backend honours: "
+                f"--{name.replace('_', '-')} does not apply to --tier {args.tier} "
+                f"(only to {', '.join(users)}); this tier honours: "
                 f"{', '.join('--' + f.replace('_', '-') for f in (*COMMON, *HONOURED[kind]))}")
     if getattr(args, "cluster", None) is not None and getattr(args, "url", None) is not None:
         raise BenchArgumentError("--cluster starts a loopback cluster; --url names a server: "
@@ -143,9 +165,9 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         if any(v <= 0 for v in values):
             raise BenchArgumentError(f"--{name.replace('_', '-')} must be positive, got "
                                      f"{values}")
-    if kind == "cpu":
+    if kind == "host":
         if args.page_kib is not None and len(args.page_kib) != 1:
-            raise BenchArgumentError(f"--backend cpu takes one --page-kib (a synthetic "
+            raise BenchArgumentError(f"--tier host takes one --page-kib (a synthetic "
                                      f"model's page), got {args.page_kib}")
         if args.layers is not None and args.page_kib is None:
             raise BenchArgumentError("--layers shapes the synthetic model: give --page-kib "
@@ -170,7 +192,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except BenchArgumentError as e:
         print(f"kv-offload bench: {e}", file=sys.stderr)
         return 2
-    run = BACKENDS[backend_kind(args.backend)]
+    run = RUNS[tier_kind(args.tier)]
     try:
         result, table = run(args)
     except (BenchArgumentError, ConfigError) as e:  # e.g. a module:Class tier's options
@@ -207,6 +229,6 @@ def _tier(args: argparse.Namespace) -> tuple[dict, Table]:
     return result, tier_table(result)
 
 
-# Each backend returns its JSON result and its table.
-BACKENDS: dict[str, Callable[[argparse.Namespace], tuple[dict, Table]]] = {
-    "cpu": _cpu, "filesystem": _filesystem, "valkey": _tier, "s3": _tier, "module:Class": _tier}
+# Each tier's bench returns its JSON result and its table.
+RUNS: dict[str, Callable[[argparse.Namespace], tuple[dict, Table]]] = {
+    "host": _cpu, "filesystem": _filesystem, "valkey": _tier, "s3": _tier, "module:Class": _tier}

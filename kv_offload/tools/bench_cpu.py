@@ -1,4 +1,4 @@
-"""`kv-offload bench --backend cpu`: the host tier's store/load copies, checked byte for byte.
+"""`kv-offload bench --tier host`: the host tier's store/load copies, checked byte for byte.
 
 Build an example model's kv_caches (or a synthetic one with `--page-kib` pages), canonicalise,
 then repeat: the baselines (one plain torch copy of the same number of bytes, engine to pool
@@ -104,11 +104,11 @@ def bench_cpu(args: argparse.Namespace) -> dict:
     slots_needed = per_group * len(model.groups)
     num_slots = slots_needed * (2 if pattern == "scattered" else 1)
     slot_bytes = max(canonical.slot_bytes_per_block(g) for g in groups)
-    backend = HostTier(canonical, num_slots * slot_bytes)
+    host_tier = HostTier(canonical, num_slots * slot_bytes)
     failed = FailedBlocks()
     try:
         fill_pattern(model.buffer)
-        backend.pool.fill_(POOL_FILL)  # touch every page before timing anything
+        host_tier.pool.fill_(POOL_FILL)  # touch every page before timing anything
         blocks = rng.permutation(model.num_blocks)  # a block belongs to one group at a time
         targets = rng.permutation(model.num_blocks)
         slots = (np.arange(slots_needed) if pattern == "fresh"
@@ -116,32 +116,32 @@ def bench_cpu(args: argparse.Namespace) -> dict:
         stores = {g: (blocks[g::len(groups)][:per_group], slots[g::len(groups)])
                   for g in groups}
         loads = {g: (targets[g::len(groups)][:per_group], slots[g::len(groups)]) for g in groups}
-        plan = backend.copier.plan(_direction("store"), stores)
+        plan = host_tier.copier.plan(_direction("store"), stores)
         total = plan.num_bytes
         engine = model.buffer.view(-1)[:total]
-        pool = backend.pool.view(-1)[:total]
+        pool = host_tier.pool.view(-1)[:total]
         times: dict[str, list[float]] = {name: [] for name in FIGURES}
         progress = Progress(args.repeats, f"bench cpu {model.name}")
         for rep in range(args.repeats):
             progress.step(f"repeat {rep + 1}")
             times["baseline_store"].append(_timed_copy(pool, engine))
             time.sleep(SETTLE_S)
-            times["store"].append(_run_job(backend, backend.submit_store, stores, failed))
+            times["store"].append(_run_job(host_tier, host_tier.submit_store, stores, failed))
             times["baseline_load"].append(_timed_copy(engine, pool))
             time.sleep(SETTLE_S)
-            times["load"].append(_run_job(backend, backend.submit_load, loads, failed))
+            times["load"].append(_run_job(host_tier, host_tier.submit_load, loads, failed))
         progress.finish()
         fill_pattern(model.buffer)
-        mismatches = _verify(backend, canonical, model, stores, loads, failed)
-        strategies = {d: list(backend.copier.last_strategies(_direction(d)))
+        mismatches = _verify(host_tier, canonical, model, stores, loads, failed)
+        strategies = {d: list(host_tier.copier.last_strategies(_direction(d)))
                       for d in ("store", "load")}
     finally:
-        backend.close()
+        host_tier.close()
     samples = {f"{k}_gbps": [total / t / 1e9 for t in v] for k, v in times.items()}
     best = {k: max(v) for k, v in samples.items()}
     refs = canonical.group_refs[0]
     return {
-        "backend": "cpu", "model": model.name, "layout": args.layout or DEFAULT_LAYOUT,
+        "tier": "host", "model": model.name, "layout": args.layout or DEFAULT_LAYOUT,
         "pattern": pattern, "seed": args.seed,
         "baseline": "one torch copy of the same bytes (engine to pool; pool to engine)",
         **best,
@@ -193,12 +193,12 @@ def _synchronize(*tensors: torch.Tensor) -> None:
             torch.cuda.synchronize(t.device)
 
 
-def _run_job(backend, submit, transfers, failed: FailedBlocks) -> float:
+def _run_job(host_tier, submit, transfers, failed: FailedBlocks) -> float:
     """Submit one job, wait for it; its wall time (queueing included)."""
     start = time.perf_counter()
     # After the engine's work so far, as the connector submits (GPU: an event on the
     # current stream; CPU: nothing to wait for).
-    (result,) = backend.wait([submit(transfers, ready=backend.engine_ready())])
+    (result,) = host_tier.wait([submit(transfers, ready=host_tier.engine_ready())])
     elapsed = time.perf_counter() - start
     if not result.success:
         failed.count += sum(len(blocks) for _, blocks in result.failed_blocks) or sum(
@@ -215,16 +215,16 @@ def _slot_offsets(canonical: CanonicalKVCaches, group: int) -> list[int]:
     return np.cumsum([0] + [r.slot_bytes for r in canonical.group_refs[group]])[:-1].tolist()
 
 
-def _verify(backend, canonical: CanonicalKVCaches, model: Model, stores, loads,
+def _verify(host_tier, canonical: CanonicalKVCaches, model: Model, stores, loads,
             failed: FailedBlocks) -> int:
     """Wrong bytes after one more store and load, checked through the canonical
     refs directly (not through the copier's fused views)."""
-    pool = backend.pool
+    pool = host_tier.pool
     pool.fill_(POOL_FILL)
-    _run_job(backend, backend.submit_store, stores, failed)
+    _run_job(host_tier, host_tier.submit_store, stores, failed)
     bad = 0
     for g, (blocks, slots) in stores.items():
-        b, s = _block_index(canonical, blocks), torch.from_numpy(backend.pool_rows(slots))
+        b, s = _block_index(canonical, blocks), torch.from_numpy(host_tier.pool_rows(slots))
         for ref, off in zip(canonical.group_refs[g], _slot_offsets(canonical, g)):
             engine = canonical.tensors[ref.tensor_idx].tensor
             page = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)
@@ -232,11 +232,11 @@ def _verify(backend, canonical: CanonicalKVCaches, model: Model, stores, loads,
             bad += int((pool[s, host] != engine[b, page].cpu()).sum())
             pool[s, host] = POOL_FILL
     bad += int((pool != POOL_FILL).sum())  # padding and unused slots untouched
-    _run_job(backend, backend.submit_store, stores, failed)
+    _run_job(host_tier, host_tier.submit_store, stores, failed)
     model.buffer.fill_(ENGINE_FILL)
-    _run_job(backend, backend.submit_load, loads, failed)
+    _run_job(host_tier, host_tier.submit_load, loads, failed)
     for g, (blocks, slots) in loads.items():
-        b, s = _block_index(canonical, blocks), torch.from_numpy(backend.pool_rows(slots))
+        b, s = _block_index(canonical, blocks), torch.from_numpy(host_tier.pool_rows(slots))
         for ref, off in zip(canonical.group_refs[g], _slot_offsets(canonical, g)):
             engine = canonical.tensors[ref.tensor_idx].tensor
             page = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)
@@ -253,7 +253,7 @@ def _device_name(buffer: torch.Tensor) -> str:
 
 def cpu_table(r: dict) -> Table:
     table = Table(
-        f"kv-offload bench: backend=cpu ({r['device']}) model={r['model']} layout={r['layout']} "
+        f"kv-offload bench: tier=host ({r['device']}) model={r['model']} layout={r['layout']} "
         f"pattern={r['pattern']}: {r['blocks']} blocks in {r['groups']} group(s), "
         f"{r['layers_per_group']} layers x {r['page_bytes']} B pages, "
         f"{r['batch_bytes'] / MIB:.1f} MiB per job, best of {r['repeats']}",

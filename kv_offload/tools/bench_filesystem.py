@@ -1,4 +1,4 @@
-"""`kv-offload bench --backend filesystem`: the filesystem tier against raw O_DIRECT I/O of
+"""`kv-offload bench --tier filesystem`: the filesystem tier against raw O_DIRECT I/O of
 the same bytes, measured side by side in one run (`bench_tiers` runs the cells).
 
 The raw baseline moves each cell's values to and from one file with sequential

@@ -1,12 +1,12 @@
-"""`kv-offload bench --backend valkey|s3|package.module:ClassName`: a shared-store tier (or any
+"""`kv-offload bench --tier valkey|s3|package.module:ClassName`: a shared-store tier (or any
 `StorageTier`) against the filesystem tier, same cells, same run (`bench_tiers`).
 
-    kv-offload bench --backend valkey   # a loopback redis-server/valkey-server is started
-    kv-offload bench --backend valkey --url redis://HOST:6379/0
-    kv-offload bench --backend valkey --cluster 3   # a loopback cluster, 3 primaries
-    kv-offload bench --backend s3       # moto's server on loopback: NOT a performance reference
-    kv-offload bench --backend s3 --endpoint-url http://minio:9000 --bucket kv-bench
-    kv-offload bench --backend mypkg.tier:MyTier --tier-options '{"max_bytes": 1073741824}'
+    kv-offload bench --tier valkey   # a loopback redis-server/valkey-server is started
+    kv-offload bench --tier valkey --url redis://HOST:6379/0
+    kv-offload bench --tier valkey --cluster 3   # a loopback cluster, 3 primaries
+    kv-offload bench --tier s3       # moto's server on loopback: NOT a performance reference
+    kv-offload bench --tier s3 --endpoint-url http://minio:9000 --bucket kv-bench
+    kv-offload bench --tier mypkg.tier:MyTier --tier-options '{"max_bytes": 1073741824}'
 
 Loopback numbers measure the client, the server and the memory copies on this machine, not
 a network. ``--record-modes plain auth encrypt`` runs the built-in tiers once per record mode
@@ -87,23 +87,23 @@ def run_shared_store_bench(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         raw: list[RawMeasure] = []
         connections = DEFAULT_CONNECTIONS
-        if args.backend == "valkey":
+        if args.tier == "valkey":
             make, note = _valkey_factory(args, stack)
             if args.url is None:
                 raw = _server_alone(make)
-        elif args.backend == "s3":
+        elif args.tier == "s3":
             make, note = _s3_factory(args, stack)
         else:
             make, note = _module_factory(args)
             connections = (1,)
         # Our own Valkey server evicts on its own; a server named by --url is cleaned up.
-        keep = args.backend == "valkey" and args.url is None
-        tiers = {args.backend: BenchTier(make, clear_after=not keep),
+        keep = args.tier == "valkey" and args.url is None
+        tiers = {args.tier: BenchTier(make, clear_after=not keep),
                  "filesystem": BenchTier(filesystem_factory)}
         if args.record_modes:
             tiers = with_record_modes(tiers, args.record_modes)
         return run_tier_bench(
-            args.backend, tiers, plan_from_args(args, DEFAULT_PAGE_KIB, connections,
+            args.tier, tiers, plan_from_args(args, DEFAULT_PAGE_KIB, connections,
                                                 VALUES_PER_JOB),
             baseline="filesystem", baseline_note="the filesystem tier, same cells, same run",
             note=note, raw=raw)
@@ -217,9 +217,9 @@ def _module_factory(args) -> tuple[TierFactory, str]:
         raise BenchArgumentError(f"--tier-options must be a JSON object: {e}") from None
     if not isinstance(options, dict):
         raise BenchArgumentError(f"--tier-options must be a JSON object, got {options!r}")
-    cls = tier_class(args.backend)
+    cls = tier_class(args.tier)
     cls.check_options(options)
 
     def make(conns: int, workdir: str) -> StorageTier:
         return cls.from_options(options, LAYOUT)
-    return make, f"{args.backend} with options {options}"
+    return make, f"{args.tier} with options {options}"

@@ -1,5 +1,5 @@
 """Storage tiers against a baseline, measured side by side in one run: the harness behind
-`kv-offload bench --backend filesystem|valkey|s3|module:Class`.
+`kv-offload bench --tier filesystem|valkey|s3|module:Class`.
 
 For every value size (``--page-kib``) and connection count (``--connections``; the filesystem
 tier's ``io_threads``), each tier stores ``total_bytes`` of random values in jobs of
@@ -34,7 +34,7 @@ from kv_offload.tools.report import Progress, Table
 MIB = 1 << 20
 LOOKUP_BATCH = 64
 LATENCY_SAMPLES = 50
-GOAL = {"backend": "valkey", "value_mib": 4, "min_gbps": 1.0}  # on loopback
+GOAL = {"tier": "valkey", "value_mib": 4, "min_gbps": 1.0}  # on loopback
 
 # make_tier(connections, workdir) -> a fresh tier
 TierFactory = Callable[[int, str], StorageTier]
@@ -106,15 +106,15 @@ class Cell:
     samples: dict[str, list[float]]
 
 
-def run_tier_bench(backend: str, tiers: dict[str, BenchTier], plan: BenchPlan, *,
+def run_tier_bench(subject: str, tiers: dict[str, BenchTier], plan: BenchPlan, *,
                    baseline: str, baseline_note: str, note: str = "",
                    raw: Sequence[RawMeasure] = ()) -> dict:
     """Run every cell ``plan.repeats`` times for every tier and raw measurement; return the
-    JSON result (the figures of ``backend`` against those of ``baseline``)."""
+    JSON result (the figures of ``subject`` against those of ``baseline``)."""
     cells: list[Cell] = []
     run_ids = itertools.count()  # every run writes keys of its own: nothing is skipped
     progress = Progress(len(plan.page_bytes) * len(plan.connections) * plan.repeats,
-                        f"bench {backend}")
+                        f"bench {subject}")
     for size in plan.page_bytes:
         count = max(4, plan.total_bytes // size)
         per_job = plan.values_per_job(size)
@@ -145,7 +145,7 @@ def run_tier_bench(backend: str, tiers: dict[str, BenchTier], plan: BenchPlan, *
             cells += [_best(samples) for samples in runs.values()]
         del source, target
     progress.finish()
-    return _summarise(backend, baseline, baseline_note, cells, note, plan)
+    return _summarise(subject, baseline, baseline_note, cells, note, plan)
 
 
 def _best(runs: list[Cell]) -> Cell:
@@ -233,9 +233,9 @@ def _pct(samples: list[float], q: int, scale: float) -> float | None:
     return float(np.percentile(samples, q)) * scale if samples else None
 
 
-def _summarise(backend: str, baseline: str, baseline_note: str, cells: list[Cell], note: str,
+def _summarise(name: str, baseline: str, baseline_note: str, cells: list[Cell], note: str,
                plan: BenchPlan) -> dict:
-    """The JSON result: every cell, and the figures every backend reports (at 4 MiB values
+    """The JSON result: every cell, and the figures every tier reports (at 4 MiB values
     when measured, else over every size; at the best connection count)."""
     at4 = any(c.value_mib == 4 for c in cells)
 
@@ -244,10 +244,10 @@ def _summarise(backend: str, baseline: str, baseline_note: str, cells: list[Cell
                   if c.tier == tier and (c.value_mib == 4 or not at4)]
         return max(values, default=0.0)
 
-    store, load = best(backend, "store_gbps"), best(backend, "load_gbps")
+    store, load = best(name, "store_gbps"), best(name, "load_gbps")
     base_s, base_l = best(baseline, "store_gbps"), best(baseline, "load_gbps")
     result = {
-        "backend": backend, "note": note, "repeats": plan.repeats, "seed": plan.seed,
+        "tier": name, "note": note, "repeats": plan.repeats, "seed": plan.seed,
         "total_bytes": plan.total_bytes,
         "summary_at": "4 MiB values" if at4 else "every value size",
         "store_gbps": store, "load_gbps": load,
@@ -259,15 +259,15 @@ def _summarise(backend: str, baseline: str, baseline_note: str, cells: list[Cell
         "failed_keys": sum(c.failed_keys for c in cells),
         "cells": [asdict(c) for c in cells],
     }
-    if backend == GOAL["backend"]:  # both directions at one connection count
-        at_goal = [c for c in cells if c.tier == backend and c.value_mib == GOAL["value_mib"]]
+    if name == GOAL["tier"]:  # both directions at one connection count
+        at_goal = [c for c in cells if c.tier == name and c.value_mib == GOAL["value_mib"]]
         got = max((min(c.store_gbps, c.load_gbps) for c in at_goal), default=0.0)
         result["goal"] = {**GOAL, "measured_gbps": got, "met": got >= GOAL["min_gbps"]}
     return result
 
 
 def tier_table(r: dict) -> Table:
-    table = Table(f"kv-offload bench: backend={r['backend']} vs {r['baseline']}, same run, "
+    table = Table(f"kv-offload bench: tier={r['tier']} vs {r['baseline']}, same run, "
                   f"GB/s best of {r['repeats']}" + (f" ({r['note']})" if r["note"] else ""),
                   ("tier", "value MiB", "conns", "keys/job", "store GB/s", "load GB/s",
                    "lookup p50 us", "lookup p99 us", "load p50 ms", "load p99 ms", "bad"))
@@ -277,7 +277,7 @@ def tier_table(r: dict) -> Table:
                   c["load_p50_ms"], c["load_p99_ms"], c["mismatches"] + c["failed_keys"])
     ratio = ", ".join(f"{d} {r[f'{d}_ratio']:.2f}x" for d in ("store", "load")
                       if r[f"{d}_ratio"] is not None)
-    table.notes.append(f"{r['backend']} / baseline ({r['summary_at']}, best connection "
+    table.notes.append(f"{r['tier']} / baseline ({r['summary_at']}, best connection "
                        f"count): {ratio}")
     table.notes.append(f"mismatches: {r['mismatches']}   failed keys: {r['failed_keys']}")
     if "goal" in r:

@@ -1,4 +1,4 @@
-"""The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` backends,
+"""The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` tiers,
 `serve-check` a running vLLM server.
 
 Every subcommand prints its table(s) with `report.Table`, writes `--json PATH` as the same
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kv_offload.tools.bench import add_bench_arguments, run_bench
 
     bench = commands.add_parser(
-        "bench", help="measure store/load throughput of a backend",
+        "bench", help="measure store/load throughput of a tier",
         description="Store and load throughput of one tier against a baseline measured in "
                     "the same run (a plain copy, raw disk I/O, or the disk tier), every "
                     "byte checked.")

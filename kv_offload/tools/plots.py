@@ -11,7 +11,7 @@ can be redrawn later from saved JSON: ``python -m kv_offload.tools.plots KIND JS
 - `step_cost_cdf`: the distribution of what our code adds to an engine step, scheduler and
   worker side, per number of stored keys (`benchmarks/bench_step_cost.py --keys N...`).
 - `tier_throughput`: store/load GB/s by value size, one line per tier and connection count
-  (`kv-offload bench --backend filesystem|valkey|s3|module:Class`).
+  (`kv-offload bench --tier filesystem|valkey|s3|module:Class`).
 
 matplotlib is an optional extra (`plots`, also in `dev`): `require_matplotlib` turns its
 absence into a `ConfigError` naming the extra, raised before a benchmark starts

@@ -1,4 +1,4 @@
-"""`kv-offload bench --backend cpu`: runs end to end (tiny sizes), writes the JSON
+"""`kv-offload bench --tier host`: runs end to end (tiny sizes), writes the JSON
 fields, and its byte check really catches misplaced bytes."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FIELDS = {"store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps"
 ])
 def test_bench_runs_and_writes_json(tmp_path, capsys, extra, page_bytes):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--backend", "cpu", *extra, "--batch-mib", "1", "--repeats", "2",
+    code = main(["bench", "--tier", "host", *extra, "--batch-mib", "1", "--repeats", "2",
                  "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())["results"]

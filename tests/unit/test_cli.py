@@ -1,7 +1,7 @@
 """The `kv-offload` command line as a user runs it: a real subprocess per run, at tiny sizes.
 
-Every subcommand writes the same JSON envelope, every bench backend reports the same figure
-names, a flag a backend cannot honour is refused (exit 2, the flag named, nothing measured),
+Every subcommand writes the same JSON envelope, every bench tier reports the same figure
+names, a flag a tier cannot honour is refused (exit 2, the flag named, nothing measured),
 and a planted bad tier (wrong bytes, failed keys) makes the exit status 1.
 """
 
@@ -69,18 +69,18 @@ def kv_offload_version() -> str:
 
 
 BENCH_RUNS = {
-    "cpu": ["--backend", "cpu", "--page-kib", "4", "--batch-mib", "1"],
-    "filesystem": ["--backend", "filesystem", "--page-kib", "64", "--total-mib", "0.5",
+    "host": ["--tier", "host", "--page-kib", "4", "--batch-mib", "1"],
+    "filesystem": ["--tier", "filesystem", "--page-kib", "64", "--total-mib", "0.5",
                    "--connections", "1"],
-    "module:Class": ["--backend", "kv_offload.backends.example:DictTier", "--page-kib", "64",
+    "module:Class": ["--tier", "kv_offload.backends.example:DictTier", "--page-kib", "64",
                      "--total-mib", "0.5", "--tier-options", '{"max_bytes": 16777216}'],
 }
 
 
-@pytest.mark.parametrize("backend", sorted(BENCH_RUNS))
-def test_every_bench_backend_writes_the_envelope_with_the_same_figures(backend, tmp_path):
-    fs_root = [] if backend == "cpu" else ["--fs-root", str(tmp_path / "fs")]
-    proc = kv_offload_cli("bench", *BENCH_RUNS[backend], *fs_root, "--repeats", "2",
+@pytest.mark.parametrize("tier", sorted(BENCH_RUNS))
+def test_every_bench_tier_writes_the_envelope_with_the_same_figures(tier, tmp_path):
+    fs_root = [] if tier == "host" else ["--fs-root", str(tmp_path / "fs")]
+    proc = kv_offload_cli("bench", *BENCH_RUNS[tier], *fs_root, "--repeats", "2",
                           "--seed", "7", "--json", "-", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     document = stdout_envelope(proc)
@@ -96,7 +96,7 @@ def test_every_bench_backend_writes_the_envelope_with_the_same_figures(backend, 
 
 def test_bench_table_goes_to_stdout_when_json_goes_to_a_file(tmp_path):
     out = tmp_path / "bench.json"
-    proc = kv_offload_cli("bench", *BENCH_RUNS["cpu"], "--repeats", "1", "--json", str(out),
+    proc = kv_offload_cli("bench", *BENCH_RUNS["host"], "--repeats", "1", "--json", str(out),
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "store" in proc.stdout and "baseline GB/s" in proc.stdout
@@ -105,40 +105,50 @@ def test_bench_table_goes_to_stdout_when_json_goes_to_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--backend", "cpu", "--fs-root", "/tmp/x"],
-     "--fs-root does not apply to --backend cpu"),
-    (["--backend", "cpu", "--connections", "2"],
-     "--connections does not apply to --backend cpu"),
-    (["--backend", "cpu", "--total-mib", "8"], "--total-mib does not apply to --backend cpu"),
-    (["--backend", "cpu", "--page-kib", "4", "8"], "--backend cpu takes one --page-kib"),
-    (["--backend", "cpu", "--layers", "3"], "--layers shapes the synthetic model"),
-    (["--backend", "cpu", "--model", "gemma3", "--page-kib", "4"],
+    (["--tier", "host", "--fs-root", "/tmp/x"],
+     "--fs-root does not apply to --tier host"),
+    (["--tier", "host", "--connections", "2"],
+     "--connections does not apply to --tier host"),
+    (["--tier", "host", "--total-mib", "8"], "--total-mib does not apply to --tier host"),
+    (["--tier", "host", "--page-kib", "4", "8"], "--tier host takes one --page-kib"),
+    (["--tier", "host", "--layers", "3"], "--layers shapes the synthetic model"),
+    (["--tier", "host", "--model", "gemma3", "--page-kib", "4"],
      "--model and --page-kib both choose the model"),
-    (["--backend", "filesystem", "--layout", "BLNHC"],
-     "--layout does not apply to --backend filesystem"),
-    (["--backend", "filesystem", "--url", "redis://x"],
-     "--url does not apply to --backend filesystem"),
-    (["--backend", "valkey", "--bucket", "b"], "--bucket does not apply to --backend valkey"),
-    (["--backend", "valkey", "--cluster", "3", "--url", "redis://x:1/0"],
+    (["--tier", "filesystem", "--layout", "BLNHC"],
+     "--layout does not apply to --tier filesystem"),
+    (["--tier", "filesystem", "--url", "redis://x"],
+     "--url does not apply to --tier filesystem"),
+    (["--tier", "valkey", "--bucket", "b"], "--bucket does not apply to --tier valkey"),
+    (["--tier", "valkey", "--cluster", "3", "--url", "redis://x:1/0"],
      "--cluster starts a loopback cluster; --url names a server"),
-    (["--backend", "valkey", "--cluster", "0"], "--cluster must be positive"),
-    (["--backend", "s3", "--cluster", "3"], "--cluster does not apply to --backend s3"),
-    (["--backend", "s3", "--bucket", "b"], "--bucket names a bucket of --endpoint-url"),
-    (["--backend", "kv_offload.backends.example:DictTier", "--connections", "2"],
-     "--connections does not apply to --backend kv_offload.backends.example:DictTier"),
-    (["--backend", "kv_offload.backends.example:DictTier", "--tier-options", "[1]"],
+    (["--tier", "valkey", "--cluster", "0"], "--cluster must be positive"),
+    (["--tier", "s3", "--cluster", "3"], "--cluster does not apply to --tier s3"),
+    (["--tier", "s3", "--bucket", "b"], "--bucket names a bucket of --endpoint-url"),
+    (["--tier", "kv_offload.backends.example:DictTier", "--connections", "2"],
+     "--connections does not apply to --tier kv_offload.backends.example:DictTier"),
+    (["--tier", "kv_offload.backends.example:DictTier", "--tier-options", "[1]"],
      "--tier-options must be a JSON object"),
-    (["--backend", "kv_offload.backends.example:DictTier", "--tier-options", '{"nope": 1}'],
+    (["--tier", "kv_offload.backends.example:DictTier", "--tier-options", '{"nope": 1}'],
      "nope"),
-    (["--backend", "nosuch"], "--backend 'nosuch': expected one of cpu, filesystem"),
+    (["--tier", "nosuch"], "--tier 'nosuch': expected one of host, filesystem"),
+    (["--tier", "host", "--backend", "cpu"], "--backend is the old name of --tier"),
     (["--repeats", "0"], "--repeats must be positive, got 0"),
-    (["--backend", "filesystem", "--page-kib", "0"], "--page-kib must be positive"),
+    (["--tier", "filesystem", "--page-kib", "0"], "--page-kib must be positive"),
 ])
-def test_a_flag_a_backend_cannot_honour_is_refused_with_exit_2(args, message, tmp_path):
+def test_a_flag_a_tier_cannot_honour_is_refused_with_exit_2(args, message, tmp_path):
     proc = kv_offload_cli("bench", *args, "--json", "-", cwd=tmp_path)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert message in proc.stderr
     assert proc.stdout == ""  # nothing measured, nothing written
+
+
+def test_the_old_spellings_backend_and_cpu_still_run_with_a_note_naming_the_new_ones(tmp_path):
+    proc = kv_offload_cli("bench", "--backend", "cpu", "--page-kib", "4", "--batch-mib", "1",
+                          "--repeats", "1", "--json", "-", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "--backend is now --tier" in proc.stderr
+    assert "the 'cpu' tier is now 'host'" in proc.stderr
+    assert stdout_envelope(proc)["results"]["tier"] == "host"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -158,7 +168,7 @@ def test_a_count_of_zero_or_less_is_refused_with_exit_2_before_anything_runs(arg
                                           ("FailsReads", "failed_keys")])
 def test_a_planted_bad_tier_makes_bench_exit_1(tier, figure, tmp_path):
     (tmp_path / "planted_tiers.py").write_text(PLANTED)
-    proc = kv_offload_cli("bench", "--backend", f"planted_tiers:{tier}", "--page-kib", "64",
+    proc = kv_offload_cli("bench", "--tier", f"planted_tiers:{tier}", "--page-kib", "64",
                           "--total-mib", "0.25", "--repeats", "1", "--fs-root",
                           str(tmp_path / "fs"), "--json", "-", cwd=tmp_path,
                           extra_path=tmp_path)

@@ -35,7 +35,7 @@ def test_serve_check_of_a_url_without_http_exits_2_with_the_reason_and_no_traceb
 
 @pytest.mark.parametrize("args", [
     ["inspect", "--model", "gemma3", "--json"],
-    ["bench", "--backend", "cpu", "--page-kib", "4", "--batch-mib", "1", "--json"],
+    ["bench", "--tier", "host", "--page-kib", "4", "--batch-mib", "1", "--json"],
     ["serve-check", "http://127.0.0.1:9", "--json"],
     ["serve-check", "http://127.0.0.1:9", "--record"],
     ["demo", "--model-size", "tiny", "--json"],

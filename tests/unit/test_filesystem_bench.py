@@ -1,4 +1,4 @@
-"""`kv-offload bench --backend filesystem`: the tier against raw disk I/O, end to end at tiny
+"""`kv-offload bench --tier filesystem`: the tier against raw disk I/O, end to end at tiny
 sizes (not timed), and the raw baseline really moves the bytes it is credited with."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ FIGURES = {"store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps
 
 def test_bench_reports_the_tier_against_the_raw_disk_with_zero_mismatches(tmp_path, capsys):
     out, root = tmp_path / "fs.json", tmp_path / "root"
-    status = main(["bench", "--backend", "filesystem", "--fs-root", str(root),
+    status = main(["bench", "--tier", "filesystem", "--fs-root", str(root),
                    "--page-kib", "64", "128", "--total-mib", "1", "--connections", "1", "2",
                    "--batch-mib", "0.25", "--repeats", "2", "--json", str(out)])
     document = json.loads(out.read_text())
     result = document["results"]
     assert status == 0 and document["command"] == "bench" and document["statistic"] == "best"
-    assert set(result) >= FIGURES and result["backend"] == "filesystem"
+    assert set(result) >= FIGURES and result["tier"] == "filesystem"
     assert all(result[f] > 0 for f in FIGURES - {"mismatches", "failed_keys"})
     assert result["mismatches"] == 0 and result["failed_keys"] == 0
     cells = {(c["tier"], c["value_mib"], c["connections"]): c for c in result["cells"]}
@@ -49,7 +49,7 @@ def test_the_raw_baseline_writes_and_reads_back_the_same_bytes(tmp_path):
 
 def test_record_modes_measure_each_mode_in_the_same_run_with_every_byte_checked(tmp_path):
     out, root = tmp_path / "fs.json", tmp_path / "root"
-    status = main(["bench", "--backend", "filesystem", "--fs-root", str(root),
+    status = main(["bench", "--tier", "filesystem", "--fs-root", str(root),
                    "--page-kib", "64", "--total-mib", "1", "--connections", "2",
                    "--repeats", "1", "--record-modes", "plain", "auth", "encrypt",
                    "--json", str(out)])
@@ -60,6 +60,6 @@ def test_record_modes_measure_each_mode_in_the_same_run_with_every_byte_checked(
     assert all(c["store_gbps"] > 0 and c["load_gbps"] > 0 for c in tiers.values())
 
 
-def test_record_modes_do_not_apply_to_the_cpu_backend(capsys):
-    assert main(["bench", "--backend", "cpu", "--record-modes", "auth"]) == 2
-    assert "--record-modes does not apply to --backend cpu" in capsys.readouterr().err
+def test_record_modes_do_not_apply_to_the_host_tier(capsys):
+    assert main(["bench", "--tier", "host", "--record-modes", "auth"]) == 2
+    assert "--record-modes does not apply to --tier host" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_bench_plot_draws_tier_throughput_next_to_its_json(tmp_path):
-    proc = kv_offload_cli("bench", "--backend", "filesystem", "--fs-root", str(tmp_path / "fs"),
+    proc = kv_offload_cli("bench", "--tier", "filesystem", "--fs-root", str(tmp_path / "fs"),
                           "--page-kib", "64", "128", "--connections", "1", "2",
                           "--total-mib", "0.5", "--repeats", "1",
                           "--json", str(tmp_path / "tiers.json"),
@@ -91,7 +91,7 @@ def test_plot_without_matplotlib_is_refused_before_the_run_naming_the_extra(tmp_
     (hidden / "matplotlib").mkdir(parents=True)
     (hidden / "matplotlib" / "__init__.py").write_text(
         "raise ImportError('No module named matplotlib')\n")
-    proc = kv_offload_cli("bench", "--backend", "filesystem", "--fs-root", str(tmp_path / "fs"),
+    proc = kv_offload_cli("bench", "--tier", "filesystem", "--fs-root", str(tmp_path / "fs"),
                           "--plot", str(tmp_path / "x.png"), cwd=tmp_path, extra_path=hidden,
                           timeout=60)
     assert proc.returncode == 2, proc.stderr

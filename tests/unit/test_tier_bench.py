@@ -1,5 +1,5 @@
-"""`kv-offload bench --backend valkey|s3` runs end to end (tiny sizes, real servers), reports
-what the other backends report, and its byte check catches a tier that serves wrong bytes.
+"""`kv-offload bench --tier valkey|s3` runs end to end (tiny sizes, real servers), reports
+what the other tiers report, and its byte check catches a tier that serves wrong bytes.
 (Not timed: throughput is the benchmark's business, not a test's.)"""
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ def test_cli_bench_runs_every_cell_against_the_filesystem_tier(backend, request,
         request.getfixturevalue("s3_credentials")  # the CLI starts its own moto server
         extra = []
     out = tmp_path / "bench.json"
-    code = main(["bench", "--backend", backend, *extra, "--page-kib", "256", "1024",
+    code = main(["bench", "--tier", backend, *extra, "--page-kib", "256", "1024",
                  "--connections", "1", "2", "--total-mib", "2", "--repeats", "2",
                  "--fs-root", str(tmp_path / "fs"), "--json", str(out)])
     result = json.loads(out.read_text())["results"]
-    assert code == 0 and set(result) >= FIELDS and result["backend"] == backend
+    assert code == 0 and set(result) >= FIELDS and result["tier"] == backend
     assert result["mismatches"] == 0 and result["failed_keys"] == 0
     cells = result["cells"]
     assert {(c["tier"], c["value_mib"], c["connections"]) for c in cells} == {
@@ -56,7 +56,7 @@ def test_cli_bench_runs_against_a_loopback_cluster_with_redis_benchmark_beside_i
     if cli_binary() is None or benchmark_binary() is None:
         pytest.skip("no redis-cli / redis-benchmark on PATH (apt-get install -y redis-server)")
     out = tmp_path / "bench.json"
-    code = main(["bench", "--backend", "valkey", "--cluster", "3", "--page-kib", "256",
+    code = main(["bench", "--tier", "valkey", "--cluster", "3", "--page-kib", "256",
                  "--connections", "2", "--total-mib", "2", "--repeats", "1",
                  "--fs-root", str(tmp_path / "fs"), "--json", str(out)])
     result = json.loads(out.read_text())["results"]

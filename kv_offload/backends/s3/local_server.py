@@ -1,4 +1,4 @@
-"""A throwaway S3 endpoint on loopback, for tests and `kv-offload bench --backend s3`.
+"""A throwaway S3 endpoint on loopback, for tests and `kv-offload bench --tier s3`.
 
 Runs moto's S3 server (``python -m moto.server``, from ``pip install 'moto[server]'``) in a
 child process on a free 127.0.0.1 port, so a test can kill it mid-request as a crash would.
