@@ -49,8 +49,9 @@ class OffloadConfig:
     """Settings of storage_tier, checked by that tier (unknown options are refused)."""
     secret_file: str | None = None
     """A file (mode 0600) holding the secret shared by the engines that share the storage
-    tier: with it, only records tagged with that secret are served (kv_offload.backends.sealing).
-    Only the path is kept here: the secret is read where keys are derived, never logged."""
+    tier: with it, only records tagged with that secret are served
+    (kv_offload.backends.common.sealing). Only the path is kept here: the secret is read where
+    keys are derived, never logged."""
     encrypt: bool = False
     """Encrypt stored records with AES-GCM under a key derived from secret_file."""
     in_step_load_bytes: int = 256 * 2**20
@@ -219,7 +220,7 @@ def _parse_secret(extra: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     if not isinstance(path, str) or not path:
         raise ConfigError(f"secret_file must be a non-empty path string, got {path!r}")
-    from kv_offload.backends.sealing import check_crypto_available
+    from kv_offload.backends.common.sealing import check_crypto_available
     from kv_offload.runtime.secret_file import read_secret
 
     path = os.path.abspath(os.path.expanduser(path))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kv_offload.backends.base import Repack
+from kv_offload.backends.common.host_buffers import host_view
 from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
     check_header,
@@ -27,7 +28,6 @@ from kv_offload.backends.filesystem.fileformat import (
 from kv_offload.backends.filesystem.io_engine import (
     FileSizeMismatch,
     NotRegularFile,
-    host_view,
     read_head,
     unlink_quietly,
 )

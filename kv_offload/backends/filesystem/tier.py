@@ -5,7 +5,7 @@
   under a temporary name and is renamed into place; a read fills the host buffer in place and
   is served only if the header (format, layout fingerprint, key, size) and the xxh3 checksum
   of the data match (with ``secret_file``: the keyed tag, or the AES-GCM decryption, of
-  ``config.codec``; see ``kv_offload.backends.sealing``). A bad file is removed, counted as
+  ``config.codec``; see ``kv_offload.backends.common.sealing``). A bad file is removed, counted as
   ``rejected_records``, logged once per episode, and reported as a failed key, never raised.
   Removing it is also what keeps a planted file from blocking the key: writes skip keys
   the index holds, and the next write after the failed read stores the real value.
@@ -49,6 +49,10 @@ from kv_offload.backends.base import (
     check_tier_request,
     value_bytes,
 )
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.index import KeyIndex, Reservation
+from kv_offload.backends.common.options import parse_options
+from kv_offload.backends.common.rejections import Rejections
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
 from kv_offload.backends.filesystem.directory import make_private_dirs, prepare_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
@@ -62,20 +66,16 @@ from kv_offload.backends.filesystem.generation_file import (
     read_generation_file,
     write_generation_file,
 )
-from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
     IOEngine,
     ValueScratch,
     aligned_host_buffer,
-    host_view,
     unlink_quietly,
 )
 from kv_offload.backends.filesystem.reads import FileReads
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
-from kv_offload.backends.options import parse_options
 from kv_offload.backends.record import CHECKSUM, RecordCodec
-from kv_offload.backends.rejections import Rejections
 from kv_offload.config import format_size
 from kv_offload.errors import TierClosedError
 from kv_offload.runtime.affinity import join_our_cpus
