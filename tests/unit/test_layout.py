@@ -16,13 +16,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "kv_offload"
 LAYERS = {"errors": 0, "runtime": 0, "core": 1, "kernels": 2, "backends": 3, "store": 4,
           "vllm": 5, "tools": 6, "serving": 6, "testing": 6}  # (errors imports nothing)
-# Upward imports not yet untangled (issue 44's later steps), each with what it needs.
-# (the checks config runs at parse time move to store/startup_checks.py in a later step)
-KNOWN_UPWARD = {
-    ("kv_offload.config", "kv_offload.store.policies"): "the policy names it checks",
-    ("kv_offload.config", "kv_offload.backends"): "the storage tier's option checks",
-    ("kv_offload.config", "kv_offload.backends.common.sealing"): "the cipher check for encrypt",
-}
+# Upward imports not yet untangled, each with what it needs (none left: the checks config
+# ran at parse time are store/startup_checks.py's check_config).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def modules() -> dict[str, Path]:
