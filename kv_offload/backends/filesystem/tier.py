@@ -9,6 +9,8 @@
   ``rejected_records``, logged once per episode, and reported as a failed key, never raised.
   Removing it is also what keeps a planted file from blocking the key: writes skip keys
   the index holds, and the next write after the failed read stores the real value.
+- Reads are `FileReads`' (reads.py), a part the tier builds with its config, I/O engine,
+  index and counters; the tier keeps the jobs and ends each key whatever its read did.
 - A byte budget with LRU eviction; a key being read is never evicted. A write deletes the
   files it evicts only after its own file has landed: a full disk fails the write and keeps
   them. Write failures are counted by reason and logged once per episode (``episodes``).
@@ -98,7 +100,7 @@ class _Job:
         return TierJobResult(self.job_id, self.keys, tuple(self.succeeded))
 
 
-class FilesystemTier(FileReads, StorageTier):
+class FilesystemTier(StorageTier):
     """A ``StorageTier`` that keeps one safetensors file per key in a directory."""
 
     def __init__(self, config: FilesystemTierConfig) -> None:
@@ -114,7 +116,10 @@ class FilesystemTier(FileReads, StorageTier):
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards jobs, results and counts
         self._writes = FailureEpisodes("write", self._counts, self._lock, logger)
-        self._reads = FailureEpisodes("read", self._counts, self._lock, logger)
+        self._reads = FileReads(config, self._io, self._index, self._scratch, self.file_path,
+                                self._count,
+                                FailureEpisodes("read", self._counts, self._lock, logger),
+                                self._rejections)
         warn_if_larger_than_the_filesystem(self._layout_dir, config.bytes_to_use)
         self._results: deque[TierJobResult] = deque()
         self._job_ids = itertools.count()
@@ -302,6 +307,14 @@ class FilesystemTier(FileReads, StorageTier):
             job.pending -= 1
             if job.pending == 0:
                 self._results.append(job.result())
+
+    def _read_one(self, job: _Job, i: int, key: bytes, value: torch.Tensor | Repack) -> None:
+        ok = False
+        try:
+            ok = self._reads.read(key, value)
+        finally:  # (pinned by `_submit_read`)
+            self._index.end_read(key)
+            self._key_done(job, i, ok)
 
     def _delete(self, keys: list[bytes]) -> None:
         for key in keys:
