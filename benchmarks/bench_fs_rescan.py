@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 
-from kv_offload.backends.filesystem import index as current_index
+from kv_offload.backends.common import index as current_index
 
 FILE_BYTES = 2 * 1024 * 1024 + 4096  # a 2 MiB page file and its header
 PROBE_SLEEP_S = 0.0002
@@ -77,10 +77,15 @@ class TimedLock:
 def load_baseline(rev: str):
     """The `index` module of git revision ``rev``, imported under another name."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(
-        ["git", "-C", root, "show", f"{rev}:kv_offload/backends/filesystem/index.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout
+    # (the index moved to backends/common/ in issue 44's layout; older revisions hold it in
+    # backends/filesystem/)
+    for where in ("kv_offload/backends/common/index.py", "kv_offload/backends/filesystem/index.py"):
+        shown = subprocess.run(["git", "-C", root, "show", f"{rev}:{where}"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = os.path.join(tempfile.mkdtemp(), "baseline_index.py")
     with open(path, "w") as f:
         f.write(source)

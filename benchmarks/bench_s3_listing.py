@@ -87,7 +87,7 @@ def _timed(fn) -> tuple[float, float]:
 
 
 def _drop_unseen_at_a_million() -> dict[str, float]:
-    from kv_offload.backends.server_keys import ServerKeys
+    from kv_offload.backends.common.server_keys import ServerKeys
 
     keys = [i.to_bytes(16, "big") for i in range(1_000_000)]
     view = ServerKeys()

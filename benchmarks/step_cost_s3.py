@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from step_cost_shared import FINGERPRINT, BlockWriter, SharedTierRun
 
-from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.common.host_buffers import host_view
 from kv_offload.backends.record import CHECKSUM, NETWORK_ALIGN, pack
 from kv_offload.backends.s3 import S3Tier
 from kv_offload.backends.s3.client import make_client

@@ -4,6 +4,12 @@ Every key is declared once below with its type, default and meaning; an unknown
 key, a wrong type or an impossible value raises `ConfigError` naming the key and
 what is accepted. Byte sizes take an int or a string with a unit ("16GiB",
 "500MB", "1.5 TiB").
+
+What only the layers above can judge is checked by `check_config` in
+`kv_offload/store/startup_checks.py`: the eviction policy's name (the store's policies), the
+storage tier's options (the tier's own `check_options`) and the cipher that `secret_file`
+needs. This module sits below the store and the tiers and imports neither; every process runs
+that check at start-up, before the model loads, with the same `ConfigError`s.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kv_offload.errors import ConfigError
-from kv_offload.store.policies import POLICIES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -46,11 +51,13 @@ class OffloadConfig:
     """The secondary tier: 'filesystem', 'valkey', 's3' or 'package.module:ClassName'
     (see kv_offload.backends); None: fs_root_dir decides."""
     storage_options: dict[str, Any] = field(default_factory=dict)
-    """Settings of storage_tier, checked by that tier (unknown options are refused)."""
+    """Settings of storage_tier, checked by that tier at start-up (unknown options are
+    refused)."""
     secret_file: str | None = None
     """A file (mode 0600) holding the secret shared by the engines that share the storage
-    tier: with it, only records tagged with that secret are served (kv_offload.backends.sealing).
-    Only the path is kept here: the secret is read where keys are derived, never logged."""
+    tier: with it, only records tagged with that secret are served
+    (kv_offload.backends.common.sealing). Only the path is kept here: the secret is read where
+    keys are derived, never logged."""
     encrypt: bool = False
     """Encrypt stored records with AES-GCM under a key derived from secret_file."""
     in_step_load_bytes: int = 256 * 2**20
@@ -116,7 +123,9 @@ def format_size(num_bytes: float) -> str:
 
 
 def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
-    """Validate `kv_connector_extra_config` and build an OffloadConfig."""
+    """Validate `kv_connector_extra_config` and build an OffloadConfig: keys, types and
+    values. The choices only the store and the tiers can judge (the eviction policy's name,
+    the storage tier's options, the cipher) are `startup_checks.check_config`'s."""
     extra = dict(extra or {})
     accepted = [f.name for f in fields(OffloadConfig)]
     unknown = sorted(set(extra) - set(accepted))
@@ -165,12 +174,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
             raise ConfigError(f"block_size must be a positive int (tokens), got {block!r}")
         values["block_size"] = block
-    if "eviction_policy" in extra:
-        policy = extra["eviction_policy"]
-        if not isinstance(policy, str) or (policy not in POLICIES and ":" not in policy):
-            raise ConfigError(f"eviction_policy must be one of {list(POLICIES)} or "
-                              f"'package.module:ClassName', got {policy!r}")
-        values["eviction_policy"] = policy
+    if "eviction_policy" in extra:  # (the store's policies judge it: check_config)
+        values["eviction_policy"] = extra["eviction_policy"]
     for flag in ("fs_fsync", "layer_wise"):
         if flag in extra:
             if not isinstance(extra[flag], bool):
@@ -178,11 +183,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             values[flag] = extra[flag]
     values.update(_parse_storage_tier(extra))
     values.update(_parse_secret(extra))
-    config = OffloadConfig(**values)
-    from kv_offload.backends import check_storage_config  # (lazy: tiers import their clients)
-
-    check_storage_config(config)  # the tier's own options, at start-up, connecting nowhere
-    return config
+    return OffloadConfig(**values)
 
 
 def _parse_storage_tier(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -219,10 +220,8 @@ def _parse_secret(extra: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     if not isinstance(path, str) or not path:
         raise ConfigError(f"secret_file must be a non-empty path string, got {path!r}")
-    from kv_offload.backends.sealing import check_crypto_available
     from kv_offload.runtime.secret_file import read_secret
 
     path = os.path.abspath(os.path.expanduser(path))
-    check_crypto_available()
     read_secret(path)  # the checks only: the bytes are read again where keys are derived
     return {"secret_file": path, "encrypt": encrypt}

@@ -14,7 +14,7 @@ Contents:
 - ``check_storage_config(config)``: validate that choice without opening anything.
 - ``make_storage_tier(config, fingerprint)``: open it (or None: host memory only). With
   ``secret_file``, built-in tiers get the keyed record codec, and any other tier is wrapped in
-  ``SealedTier`` (see sealed_tier.py: a plug-in cannot opt out of authentication).
+  ``SealedTier`` (see common/sealed_tier.py: a plug-in cannot opt out of authentication).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def make_storage_tier(config: OffloadConfig, fingerprint: str,
                       codec: RecordCodec | None = None) -> StorageTier | None:
     """Open the secondary tier of ``config`` for one layout ``fingerprint`` (None: none).
     ``codec``: how records are protected (default: the one ``config`` asks for)."""
-    from kv_offload.backends.sealing import make_codec
+    from kv_offload.backends.common.sealing import make_codec
 
     choice = storage_choice(config)
     if choice is None:
@@ -110,7 +110,7 @@ def make_storage_tier(config: OffloadConfig, fingerprint: str,
         return cls.from_options(choice.options, fingerprint, codec=codec)
     if not codec.keyed:
         return cls.from_options(choice.options, fingerprint)
-    from kv_offload.backends.sealed_tier import SealedTier
+    from kv_offload.backends.common.sealed_tier import SealedTier
 
     inner = cls.from_options(choice.options, codec.tier_fingerprint(fingerprint))
     return SealedTier(inner, codec, fingerprint)

@@ -20,7 +20,7 @@ name, a key prefix): a listing never even sees another layout's records.
 How the data is protected is a ``RecordCodec``: the default, ``CHECKSUM``, is the unkeyed
 xxh3-64 above (it catches damage, not forgery: anyone who can write to the store can make a
 record that verifies). With ``secret_file`` the tiers get a keyed codec instead
-(``kv_offload.backends.sealing``: an HMAC tag, or AES-GCM encryption) whose name goes in
+(``kv_offload.backends.common.sealing``: an HMAC tag, or AES-GCM encryption) whose name goes in
 the header's ``checksum`` field and whose records live under another namespace, so the two
 kinds never pass for each other. Every function below takes the codec (default: CHECKSUM).
 
@@ -75,7 +75,7 @@ class RecordCodec:
     """How a record's data is checked (and maybe transformed) on its way to and from a store.
 
     This base class is the unkeyed xxh3-64 checksum (``CHECKSUM``); keyed codecs override it
-    (``kv_offload.backends.sealing``). ``digest`` is what the header's ``checksum`` field
+    (``kv_offload.backends.common.sealing``). ``digest`` is what the header's ``checksum`` field
     holds after ``algo:``: ``digest_chars`` hex digits.
     """
 

@@ -44,6 +44,23 @@ MOVED: dict[str, str] = {  # old module -> its new home
     "kv_offload.backends.cpu.pool": "kv_offload.store.host.pool",
     "kv_offload.backends.cpu.prefault": "kv_offload.store.host.prefault",
     "kv_offload.backends.cpu.slots": "kv_offload.store.host.slots",
+    "kv_offload.backends.deadline": "kv_offload.backends.common.deadline",
+    "kv_offload.backends.io_threads": "kv_offload.backends.common.io_threads",
+    "kv_offload.backends.jobs": "kv_offload.backends.common.jobs",
+    "kv_offload.backends.local_process": "kv_offload.backends.common.local_process",
+    "kv_offload.backends.options": "kv_offload.backends.common.options",
+    "kv_offload.backends.outage": "kv_offload.backends.common.outage",
+    "kv_offload.backends.refresher": "kv_offload.backends.common.refresher",
+    "kv_offload.backends.rejections": "kv_offload.backends.common.rejections",
+    "kv_offload.backends.sealing": "kv_offload.backends.common.sealing",
+    "kv_offload.backends.sealed_tier": "kv_offload.backends.common.sealed_tier",
+    "kv_offload.backends.server_keys": "kv_offload.backends.common.server_keys",
+    "kv_offload.backends.sized_read": "kv_offload.backends.common.sized_read",
+    "kv_offload.backends.filesystem.changes": "kv_offload.backends.common.changes",
+    "kv_offload.backends.filesystem.index": "kv_offload.backends.common.index",
+    "kv_offload.backends.filesystem.listing": "kv_offload.backends.common.listing",
+    "kv_offload.backends.filesystem.lru": "kv_offload.backends.common.lru",
+    "kv_offload.backends.filesystem.pacing": "kv_offload.backends.common.pacing",
 }
 # Names that changed with their module (old name -> new), answered through the old paths.
 RENAMED: dict[str, str] = {
@@ -75,8 +92,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                   ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self,
-                                              is_package=fullname == "kv_offload.backends.cpu")
+        # (an old package, e.g. kv_offload.backends.cpu, has old submodules under it)
+        package = any(old.startswith(fullname + ".") for old in MOVED)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=package)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[spec.name]

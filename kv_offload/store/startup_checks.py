@@ -3,6 +3,9 @@
 Everything that can be known before the model loads is checked here, on the scheduler side
 too, so a bad value is a `ConfigError` that names the key and the fix at start-up, never an
 OOM kill, a silently disabled tier or an error on the first request:
+- the choices `kv_offload.config` cannot judge from below (`check_config`): the eviction
+  policy's name, the storage tier's options (the tier's `check_options`: connects nowhere) and
+  the cipher package `secret_file` needs; `parse_config` checks keys, types and values;
 - the eviction policy imports and builds;
 - the host tiers of the ranks on this machine fit in the memory available now, and each
   holds at least one block;
@@ -12,7 +15,9 @@ OOM kill, a silently disabled tier or an error on the first request:
 `check_before_engine_start` runs the part that needs no model, from the connector class's
 hooks that vLLM calls before it starts an engine (see `vllm/connector.py`: on CUDA with
 CUDA graphs, in the front-end process while vLLM builds its config; on every platform in
-the engine core before any worker opens a tier); `check_startup` the rest, per process.
+the engine core before any worker opens a tier); `check_startup` the rest, per process (the
+connector's constructor, in the scheduler and in every worker, before the model loads).
+Both start with `check_config`.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kv_offload.backends import check_storage_config
+from kv_offload.backends.common.sealing import check_crypto_available
 from kv_offload.config import OffloadConfig, parse_config
 from kv_offload.errors import ConfigError
 from kv_offload.specs import KVCacheGroup
-from kv_offload.store.policies import make_policy
+from kv_offload.store.policies import POLICIES, make_policy
 
 FILE_HEADER_ALLOWANCE = 8192  # a block file's header, rounded up to O_DIRECT alignment
 
@@ -52,10 +59,25 @@ def block_bytes(groups: Sequence[KVCacheGroup]) -> int:
     return max((len(g.layer_names) * g.spec.page_size_bytes for g in groups), default=0)
 
 
+def check_config(config: OffloadConfig) -> None:
+    """Raise `ConfigError` for a choice of `config` that the store or the tiers refuse: an
+    eviction policy that is neither built in nor a 'package.module:ClassName' path, a
+    `secret_file` without the cryptography package, a storage tier that does not import or
+    whose options are bad. Opens nothing, connects nowhere."""
+    policy = config.eviction_policy
+    if not isinstance(policy, str) or (policy not in POLICIES and ":" not in policy):
+        raise ConfigError(f"eviction_policy must be one of {list(POLICIES)} or "
+                          f"'package.module:ClassName', got {policy!r}")
+    if config.secret_file is not None:
+        check_crypto_available()
+    check_storage_config(config)  # the tier's own options (it imports only the chosen tier)
+
+
 def check_startup(config: OffloadConfig, groups: Sequence[KVCacheGroup], *,
                   local_ranks: int = 1, available: int | None = None) -> None:
     """Raise `ConfigError` for a configuration this machine and model cannot run.
     `local_ranks`: worker ranks on this machine (each allocates `cpu_bytes_to_use`)."""
+    check_config(config)
     make_policy(config.eviction_policy, 1)  # EvictionPolicyError (a ConfigError) names it
     block = block_bytes(groups)
     if block and config.cpu_bytes_to_use < block:

@@ -138,7 +138,7 @@ class TieredStore:
         """`records`: keep TP-free records in the storage tier, namespaced by their shared
         fingerprint (`tp.records`); None: this rank's pages under `fingerprint`."""
         from kv_offload.backends import make_storage_tier
-        from kv_offload.backends.sealing import make_codec
+        from kv_offload.backends.common.sealing import make_codec
         from kv_offload.store.tp.tier import TPRecordTier
 
         codec = make_codec(config.secret_file, config.encrypt)

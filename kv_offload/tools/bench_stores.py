@@ -63,7 +63,7 @@ def plan_from_args(args: argparse.Namespace, page_kib: tuple[int, ...],
 
 def with_record_modes(tiers: dict[str, BenchTier], modes: list[str] | None) -> dict:
     """Each tier once per record mode (``--record-modes``): a factory given the codec."""
-    from kv_offload.backends.sealing import Authenticated, Encrypted
+    from kv_offload.backends.common.sealing import Authenticated, Encrypted
 
     secret = secrets.token_bytes(32)  # (this run's own: nothing is kept)
     codecs = {"plain": CHECKSUM, "auth": Authenticated(secret), "encrypt": Encrypted(secret)}

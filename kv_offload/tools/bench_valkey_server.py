@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from kv_offload.backends.local_process import first_on_path
+from kv_offload.backends.common.local_process import first_on_path
 
 BINARIES = ("valkey-benchmark", "redis-benchmark")
 _SUMMARY = re.compile(r"====== (SET|GET) ======.*?throughput summary: ([\d.]+) requests per "

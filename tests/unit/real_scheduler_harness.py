@@ -36,7 +36,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kv_offload.backends.local_process import free_port
+from kv_offload.backends.common.local_process import free_port
 from kv_offload.testing.engine_alloc import allocate_kv_caches
 from kv_offload.testing.tiny_models import build_llama
 from kv_offload.testing.tiny_vocab import VOCAB_SIZE

@@ -54,7 +54,6 @@ def test_sizes(value, expected):
     ({"cpu_bytes_to_use": 1, "fs_root_dir": 3, "fs_bytes_to_use": 1}, "fs_root_dir must be"),
     ({"cpu_bytes_to_use": 1, "block_size": 0}, "block_size must be a positive int"),
     ({"cpu_bytes_to_use": 1, "block_size": "16"}, "block_size must be a positive int"),
-    ({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, r"one of \[.slru., .lru., .arc.\]"),
     ({"cpu_bytes_to_use": 1, "fs_fsync": "yes"}, "fs_fsync must be true or false"),
     ({"cpu_bytes_to_use": 1, "layer_wise": 1}, "layer_wise must be true or false"),
     ({"cpu_bytes_to_use": 1, "copy_timeout_s": 0}, "copy_timeout_s must be a number of seconds"),

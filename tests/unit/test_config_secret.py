@@ -9,6 +9,7 @@ import pytest
 
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
+from kv_offload.store.startup_checks import check_before_engine_start, check_config
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -85,5 +86,8 @@ def test_encrypt_needs_a_secret_file_and_a_bool(tmp_path):
 def test_a_secret_without_the_cryptography_package_names_the_extra(tmp_path, monkeypatch):
     # (None in sys.modules makes that import fail, as on a machine without the package)
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.kdf.hkdf", None)
+    config = parse(secret_file=secret_file(tmp_path))  # (the cipher is the tiers' concern)
     with pytest.raises(ConfigError, match=r"pip install 'kv-offload\[secure\]'"):
-        parse(secret_file=secret_file(tmp_path))
+        check_config(config)  # at start-up, in every process, before the model loads
+    with pytest.raises(ConfigError, match=r"pip install 'kv-offload\[secure\]'"):
+        check_before_engine_start({"cpu_bytes_to_use": "1MiB", "secret_file": config.secret_file})

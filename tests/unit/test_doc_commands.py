@@ -7,8 +7,8 @@ Blocks marked ``run by`` must name test files, tests and CI scripts that exist. 
 command block must say why it is not run here. Beyond that, every ``kv-offload ...`` line of
 every bash block (run or not) must parse with the real argument parser, so a renamed flag or
 model name fails here; every JSON block must parse, and a connector config must pass
-``parse_config``; and the configuration keys and tier options the pages document must be the
-ones the code declares.
+``parse_config`` and the start-up ``check_config``; and the configuration keys and tier
+options the pages document must be the ones the code declares.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.config import OffloadConfig, parse_config, parse_size
+from kv_offload.store.startup_checks import check_config
 from kv_offload.tools.cli import build_parser
 
 BLOCKS = all_blocks()
@@ -196,7 +197,8 @@ def test_every_json_block_parses_and_a_connector_config_passes_parse_config(bloc
     if parse_mark(block.mark).kind == "not run here" or not isinstance(document, dict):
         return
     if {"cpu_bytes_to_use", "storage_tier"} & set(document):
-        parse_config({"cpu_bytes_to_use": "1GiB", **document})  # checks connect nowhere
+        # (with the start-up check of its policy and tier options: they connect nowhere)
+        check_config(parse_config({"cpu_bytes_to_use": "1GiB", **document}))
 
 
 def _table_rows(page: str, heading: str) -> list[list[str]]:

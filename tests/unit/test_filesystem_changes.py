@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from tier_helpers import child_command, chunk, read, wait, write
 
 from kv_offload.backends.base import TierChanges
+from kv_offload.backends.common.changes import ChangeFeed
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
-from kv_offload.backends.filesystem.changes import ChangeFeed
 from kv_offload.backends.filesystem.fileformat import data_offset
 from kv_offload.errors import TierRequestError
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kv_offload.backends.filesystem import pacing
-from kv_offload.backends.filesystem.index import KeyIndex
-from kv_offload.backends.filesystem.listing import ScannedFile
+from kv_offload.backends.common import pacing
+from kv_offload.backends.common.index import KeyIndex
+from kv_offload.backends.common.listing import ScannedFile
 
 
 def landed(index: KeyIndex, key: bytes, size: int = 10) -> list[bytes]:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_offload.backends.filesystem.lru import NUM_SHARDS, SegmentedLRU, ShardedLRU
+from kv_offload.backends.common.lru import NUM_SHARDS, SegmentedLRU, ShardedLRU
 
 KEYS = st.integers(0, 40).map(lambda n: b"key-%d" % n)
 OPS = st.lists(

@@ -18,11 +18,11 @@ from tier_helpers import random_bytes, read, write
 
 from kv_offload.backends import make_storage_tier
 from kv_offload.backends.base import StorageTier
+from kv_offload.backends.common.sealed_tier import SealedTier
+from kv_offload.backends.common.sealing import Authenticated, Encrypted
 from kv_offload.backends.filesystem import FilesystemTier
 from kv_offload.backends.filesystem.fileformat import ALIGN
 from kv_offload.backends.record import CHECKSUM, NETWORK_ALIGN, RecordCodec, data_offset, pack
-from kv_offload.backends.sealed_tier import SealedTier
-from kv_offload.backends.sealing import Authenticated, Encrypted
 from kv_offload.config import parse_config
 
 FP = "llama|LBHNC|page=70000|tp1|rank0"

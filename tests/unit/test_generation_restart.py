@@ -12,8 +12,8 @@ from conftest import shared_tier_options
 from test_tiering import block_bytes, h, hybrid, wait_for_storage
 
 from kv_offload.backends.base import StorageTier
+from kv_offload.backends.common.sealing import Authenticated
 from kv_offload.backends.example import DictTier
-from kv_offload.backends.sealing import Authenticated
 from kv_offload.config import parse_config
 from kv_offload.store.generations import GENERATION_KEY, generation_record
 from kv_offload.store.key_view import FIRST_GENERATION

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kv_offload.backends.io_threads import IoThreads
+from kv_offload.backends.common.io_threads import IoThreads
 
 
 def test_every_queued_task_runs_before_shutdown_returns():

@@ -16,13 +16,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "kv_offload"
 LAYERS = {"errors": 0, "runtime": 0, "core": 1, "kernels": 2, "backends": 3, "store": 4,
           "vllm": 5, "tools": 6, "serving": 6, "testing": 6}  # (errors imports nothing)
-# Upward imports not yet untangled (issue 44's later steps), each with what it needs.
-# (the checks config runs at parse time move to store/startup_checks.py in a later step)
-KNOWN_UPWARD = {
-    ("kv_offload.config", "kv_offload.store.policies"): "the policy names it checks",
-    ("kv_offload.config", "kv_offload.backends"): "the storage tier's option checks",
-    ("kv_offload.config", "kv_offload.backends.sealing"): "the cipher check for encrypt",
-}
+# Upward imports not yet untangled, each with what it needs (none left: the checks config
+# ran at parse time are store/startup_checks.py's check_config).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def modules() -> dict[str, Path]:
@@ -93,6 +89,31 @@ def test_the_scheduler_side_never_touches_tensors_kernels_stores_or_tiers():
         assert bad == [], (m, bad)
 
 
+TIERS = ("filesystem", "valkey", "s3", "example")
+
+
+def test_the_tiers_never_import_each_other():
+    """What two tiers need lives in backends/common/, never in one of them."""
+    crossing = sorted((m, d) for m in MODULES for d in imports(m) for tier in TIERS
+                      for other in TIERS if other != tier and
+                      m.startswith(f"kv_offload.backends.{tier}") and
+                      d.startswith(f"kv_offload.backends.{other}"))
+    assert crossing == []
+    common = [(m, d) for m in MODULES if m.startswith("kv_offload.backends.common")
+              for d in imports(m) if d.startswith(tuple(f"kv_offload.backends.{t}"
+                                                        for t in TIERS))]
+    assert common == [], "common/ is shared by the tiers: it imports none of them"
+
+
+def test_the_backends_folder_holds_the_contract_records_common_and_the_tiers():
+    folder = PACKAGE / "backends"
+    modules = sorted(p.stem for p in folder.glob("*.py"))
+    assert modules == ["__init__", "base", "namespaced", "record"]  # (the contract, with
+    # namespaced: how StorageTier.from_options keeps a plug-in's layouts apart)
+    packages = sorted(p.name for p in folder.iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(["common", *TIERS])
+
+
 def test_no_two_modules_import_each_other_at_import_time():
     graph = {m: {d for d in imports(m, top_level_only=True) if d in MODULES} for m in MODULES}
     # a package importing its own submodules (re-exports) is how packages work: not a circle
@@ -115,9 +136,14 @@ def test_no_two_modules_import_each_other_at_import_time():
     assert cycles == []
 
 
-@pytest.mark.parametrize("old, new", [("kv_offload.tiering", "kv_offload.store.tiered"),
-                                      ("kv_offload.policies", "kv_offload.store.policies"),
-                                      ("kv_offload.backends.cpu", "kv_offload.store.host")])
+@pytest.mark.parametrize("old, new", [
+    ("kv_offload.tiering", "kv_offload.store.tiered"),
+    ("kv_offload.policies", "kv_offload.store.policies"),
+    ("kv_offload.backends.cpu", "kv_offload.store.host"),
+    # old names inside packages that still exist (the finder comes first on sys.meta_path)
+    ("kv_offload.backends.sealing", "kv_offload.backends.common.sealing"),
+    ("kv_offload.backends.filesystem.index", "kv_offload.backends.common.index"),
+])
 def test_an_old_import_path_still_works_and_says_where_the_module_went(old, new):
     import importlib
 
@@ -131,3 +157,28 @@ def test_an_old_import_path_still_works_and_says_where_the_module_went(old, new)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         importlib.import_module(old)  # (once: the module is cached)
+
+
+def test_an_old_name_inside_a_package_that_still_exists_is_the_new_module_s():
+    """`from kv_offload.backends import sealing` and `from kv_offload.backends.filesystem
+    import pacing` (their packages still exist, with other modules) reach the moved module;
+    every moved name maps to a module that imports."""
+    import importlib
+
+    from kv_offload.runtime.moved import MOVED
+
+    for old in ("kv_offload.backends.sealing", "kv_offload.backends.filesystem.pacing"):
+        sys.modules.pop(old, None)
+        parent, _, leaf = old.rpartition(".")
+        vars(importlib.import_module(parent)).pop(leaf, None)
+    with pytest.warns(DeprecationWarning, match="kv_offload.backends.sealing moved to"):
+        from kv_offload.backends import sealing
+    with pytest.warns(DeprecationWarning, match="filesystem.pacing moved to"):
+        from kv_offload.backends.filesystem import pacing
+    from kv_offload.backends.common import pacing as new_pacing
+    from kv_offload.backends.common import sealing as new_sealing
+
+    assert sealing.make_codec is new_sealing.make_codec
+    assert pacing.Pacer is new_pacing.Pacer
+    for new in MOVED.values():
+        importlib.import_module(new)

@@ -6,7 +6,7 @@ import logging
 import statistics
 import time
 
-from kv_offload.backends.outage import MIN_JITTER, Outage
+from kv_offload.backends.common.outage import MIN_JITTER, Outage
 
 
 def test_engines_that_failed_together_spread_their_probes_over_the_interval():

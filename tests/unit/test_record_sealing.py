@@ -1,10 +1,12 @@
-"""Keyed record codecs (kv_offload.backends.sealing): a record verifies only for holders of the
-secret, for its own key, layout and size; plain and keyed records never pass for each other."""
+"""Keyed record codecs (kv_offload.backends.common.sealing): a record verifies only for holders
+of the secret, for its own key, layout and size; plain and keyed records never pass for each
+other."""
 
 from __future__ import annotations
 
 import pytest
 
+from kv_offload.backends.common.sealing import Authenticated, Encrypted
 from kv_offload.backends.record import (
     CHECKSUM,
     NETWORK_ALIGN,
@@ -13,7 +15,6 @@ from kv_offload.backends.record import (
     pack,
     unpack_into,
 )
-from kv_offload.backends.sealing import Authenticated, Encrypted
 
 SECRET = b"fleet secret 0123456789abcdef"
 KEY, OTHER_KEY = b"\x00" * 8 + b"\x01\x00" + b"\xab" * 32, b"\x00" * 8 + b"\x01\x00" + b"\xcd" * 32

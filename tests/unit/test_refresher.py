@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kv_offload.backends.refresher import Refresher
+from kv_offload.backends.common.refresher import Refresher
 
 WAIT_S = 10.0
 

@@ -12,7 +12,7 @@ pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e '.[d
 import botocore.endpoint_provider  # noqa: E402
 from conftest import make_bucket  # noqa: E402
 
-from kv_offload.backends.options import parse_options  # noqa: E402
+from kv_offload.backends.common.options import parse_options  # noqa: E402
 from kv_offload.backends.s3 import client as s3_client  # noqa: E402
 from kv_offload.backends.s3.config import S3TierConfig  # noqa: E402
 

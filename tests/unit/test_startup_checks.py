@@ -9,7 +9,13 @@ import torch
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError, EvictionPolicyError
 from kv_offload.specs import FullAttentionSpec, KVCacheGroup
-from kv_offload.store.startup_checks import FILE_HEADER_ALLOWANCE, block_bytes, check_startup
+from kv_offload.store.startup_checks import (
+    FILE_HEADER_ALLOWANCE,
+    block_bytes,
+    check_before_engine_start,
+    check_config,
+    check_startup,
+)
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 GROUPS = [KVCacheGroup([f"layers.{i}" for i in range(4)], SPEC)]
@@ -25,6 +31,28 @@ def test_a_sane_config_passes(tmp_path):
     check_startup(config(fs_root_dir=str(tmp_path / "kv"), fs_bytes_to_use="1GiB"), GROUPS,
                   available=PLENTY)
     assert (tmp_path / "kv").is_dir()  # created up front, as the tier will need it
+
+
+@pytest.mark.parametrize("policy", ["fifo", 3, ""])
+def test_an_eviction_policy_that_is_not_a_name_or_a_path_is_refused_at_every_start(policy):
+    """config.py sits below the store: the policy's name is judged here, as early (every
+    process, before the model loads), with the same error."""
+    message = r"eviction_policy must be one of \[.slru., .lru., .arc.\] or .package"
+    with pytest.raises(ConfigError, match=message):
+        check_config(config(eviction_policy=policy))
+    with pytest.raises(ConfigError, match=message):
+        check_startup(config(eviction_policy=policy), GROUPS, available=PLENTY)
+    with pytest.raises(ConfigError, match=message):
+        check_before_engine_start({"cpu_bytes_to_use": "64MiB", "eviction_policy": policy})
+
+
+def test_a_bad_storage_option_is_refused_at_every_start():
+    extra = {"cpu_bytes_to_use": "64MiB", "storage_tier": "kv_offload.backends.example:DictTier",
+             "storage_options": {"max_byte": 1}}
+    with pytest.raises(ConfigError, match="max_byte"):
+        check_startup(parse_config(extra), GROUPS, available=PLENTY)
+    with pytest.raises(ConfigError, match="max_byte"):
+        check_before_engine_start(extra)
 
 
 def test_an_eviction_policy_that_does_not_import_is_refused():

@@ -1,5 +1,6 @@
-"""`storage_tier` + `storage_options`: tiers chosen by config, checked at parse time (nothing
-connects), opened by `make_storage_tier` / `TieredStore.from_config`."""
+"""`storage_tier` + `storage_options`: tiers chosen by config, checked at start-up
+(`check_config`, run by every start-up check; nothing connects), opened by
+`make_storage_tier` / `TieredStore.from_config`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kv_offload.backends.example import DictTier
 from kv_offload.backends.filesystem import FilesystemTier
 from kv_offload.config import parse_config
 from kv_offload.errors import ConfigError
+from kv_offload.store.startup_checks import check_config
 from kv_offload.store.tiered import Location, TieredStore, layout_fingerprint
 
 EXAMPLE = "kv_offload.backends.example:DictTier"
@@ -26,10 +28,13 @@ NOWHERE = "redis://127.0.0.1:9/0"
 
 
 def parse(tier, options=None, **extra):
+    """The config, with the start-up check of the tier's options (as every process runs it)."""
     values = {"cpu_bytes_to_use": "1MiB", "storage_tier": tier, **extra}
     if options is not None:
         values["storage_options"] = options
-    return parse_config(values)
+    config = parse_config(values)
+    check_config(config)
+    return config
 
 
 def test_builtin_names_resolve_lazily_to_tier_classes():

@@ -3,7 +3,7 @@ change feed (the filesystem tier's ChangeFeed, tested with that tier)."""
 
 from __future__ import annotations
 
-from kv_offload.backends.server_keys import ServerKeys
+from kv_offload.backends.common.server_keys import ServerKeys
 
 
 def test_a_scan_drops_only_keys_that_predate_it():

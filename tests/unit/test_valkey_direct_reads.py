@@ -20,7 +20,7 @@ from tier_helpers import random_bytes, read, write
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install -e '.[dev]')")
 
-from kv_offload.backends.deadline import DeadlineSocket  # noqa: E402 (after the skip)
+from kv_offload.backends.common.deadline import DeadlineSocket  # noqa: E402 (after the skip)
 from kv_offload.backends.valkey import ValkeyTier  # noqa: E402
 from kv_offload.backends.valkey.direct_reads import (  # noqa: E402
     InPlace,

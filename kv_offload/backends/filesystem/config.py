@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kv_offload.backends.base import TierStats
-from kv_offload.backends.options import option
+from kv_offload.backends.common.options import option
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
 

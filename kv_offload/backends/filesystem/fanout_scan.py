@@ -49,6 +49,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kv_offload.backends.common.listing import ScanListing
 from kv_offload.backends.filesystem.directory import FANOUT_DIRS, is_stale_temp
 from kv_offload.backends.filesystem.fileformat import (
     TEMP_PREFIX,
@@ -56,7 +57,6 @@ from kv_offload.backends.filesystem.fileformat import (
     key_from_file_name,
 )
 from kv_offload.backends.filesystem.io_engine import unlink_quietly
-from kv_offload.backends.filesystem.listing import ScanListing
 
 SETTLE_S = 2.0  # a directory changed less than this before its listing is listed again
 REVALIDATE_PER_SCAN = 8  # fan-out dirs re-listed per scan whatever their mtime (256/8 = 32)

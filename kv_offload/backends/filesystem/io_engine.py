@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from kv_offload.backends.common.host_buffers import host_view
 from kv_offload.backends.filesystem.fileformat import ALIGN
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # (0 where the OS has none: probe_direct_io says False)
@@ -58,11 +59,6 @@ def aligned_host_buffer(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     shift = (-raw.data_ptr()) % ALIGN
     return raw[shift : shift + nbytes]
-
-
-def host_view(buf: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous 1-D uint8/int8 CPU tensor (no copy)."""
-    return memoryview(buf.numpy()).cast("B")
 
 
 class _Scratch(threading.local):

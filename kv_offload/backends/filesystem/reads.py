@@ -3,8 +3,11 @@ value, into this I/O thread's own buffer, unpacked into the caller's once verifi
 only if header and checksum (or tag, or AES-GCM decryption) match; a bad file is removed
 and counted, never served.
 
-This is a mixin of `FilesystemTier` (it uses the tier's config, I/O engine, index, counters
-and failure episodes); it is its own module only to keep each file one concern.
+`FileReads` is a part the tier owns (``FilesystemTier._reads``), built with what a read
+needs, passed explicitly: the tier's config, I/O engine, key index, scratch buffers, where a
+key's file lives, its counters, and the read failure episodes (its own). The tier keeps the
+jobs: it hands one key at a time to ``FileReads.read`` on an I/O thread and ends the key
+(unpins it in the index, records the outcome in its job) whatever the read did.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from kv_offload.backends.base import Repack
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.index import KeyIndex
+from kv_offload.backends.common.rejections import Rejections
+from kv_offload.backends.filesystem.config import FilesystemTierConfig
+from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
     FileFormatError,
     check_header,
@@ -26,44 +34,55 @@ from kv_offload.backends.filesystem.fileformat import (
 )
 from kv_offload.backends.filesystem.io_engine import (
     FileSizeMismatch,
+    IOEngine,
     NotRegularFile,
-    host_view,
+    ValueScratch,
     read_head,
     unlink_quietly,
 )
-
-if TYPE_CHECKING:
-    from kv_offload.backends.filesystem.tier import _Job
 
 logger = logging.getLogger("kv_offload.backends.filesystem.tier")  # (the tier's log lines)
 
 
 class FileReads:
-    """The read half of `FilesystemTier`."""
+    """Reads keys' files for one `FilesystemTier` (the read half of the tier)."""
 
-    def _read_one(self, job: _Job, i: int, key: bytes, value: torch.Tensor | Repack) -> None:
-        ok = False
-        path = self.file_path(key)
+    def __init__(self, config: FilesystemTierConfig, io: IOEngine, index: KeyIndex,
+                 scratch: ValueScratch, file_path: Callable[[bytes], str],
+                 count: Callable[..., None], episodes: FailureEpisodes,
+                 rejections: Rejections) -> None:
+        self._config = config
+        self._io = io
+        self._index = index
+        self._scratch = scratch  # repacked values (shared with the tier's writes: one buffer
+        # per I/O thread)
+        self._file_path = file_path
+        self._count = count
+        self._episodes = episodes  # read failures, logged once per episode
+        self._rejections = rejections
+
+    def read(self, key: bytes, value: torch.Tensor | Repack) -> bool:
+        """Fill ``value`` from the file of ``key``; True when it was served (verified, and
+        unpacked for a `Repack`). Never raises: a failure is counted and is a miss. The
+        caller pinned ``key`` for the read and unpins it after."""
         try:
             repack = value if isinstance(value, Repack) else None
             buf = value if repack is None else self._scratch.get(repack.nbytes)
-            served = self._read_checked(key, path, buf)
-            if served and repack is not None:  # (a failing unpack fails the key: ok stays)
+            served = self._read_checked(key, self._file_path(key), buf)
+            if served and repack is not None:  # (a failing unpack fails the key)
                 repack.unpack(buf)
-            ok = served
+            return served
         except FileNotFoundError:
             self._index.remove(key)  # deleted by another process
             self._count("read_failed", "read_failed_vanished")
         except OSError as e:
-            self._reads.failed("io", f"key {key.hex()}: {e}")
+            self._episodes.failed("io", f"key {key.hex()}: {e}")
         except Exception as e:
-            self._reads.failed("bug", f"key {key.hex()}: {e!r}", exc_info=True)
-        finally:
-            self._index.end_read(key)
-            self._key_done(job, i, ok)
+            self._episodes.failed("bug", f"key {key.hex()}: {e!r}", exc_info=True)
+        return False
 
     def _read_checked(self, key: bytes, path: str, buf: torch.Tensor) -> bool:
-        fingerprint, codec = self.config.layout_fingerprint, self.config.codec
+        fingerprint, codec = self._config.layout_fingerprint, self._config.codec
         try:
             head = self._io.read(path, data_offset(key, fingerprint, buf.numel(), codec), buf)
         except FileSizeMismatch as e:
@@ -81,21 +100,21 @@ class FileReads:
         self._index.touch(key)
         with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
             os.utime(path)
-        self._reads.succeeded()
+        self._episodes.succeeded()
         self._count("read_ok")
         self._count("bytes_read", n=len(head) + buf.numel())
         return True
 
     def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:
         """A file whose size does not fit the buffer: a caller mistake, or a damaged file."""
-        codec = self.config.codec
+        codec = self._config.codec
         try:
             info = parse_header(read_head(path), codec)
         except FileFormatError as e:
             return self._discard(key, path, f"bad header: {e}")
         intact = (
             not codec.keyed  # (a keyed record's size claim is not trusted unverified)
-            and names_match(info, key, self.config.layout_fingerprint, codec)
+            and names_match(info, key, self._config.layout_fingerprint, codec)
             and actual == info.data_offset + info.data_len
         )
         if not intact:

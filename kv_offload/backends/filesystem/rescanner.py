@@ -27,11 +27,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from kv_offload.backends.common.index import KeyIndex
+from kv_offload.backends.common.pacing import Pause, let_others_run
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fanout_scan import FanoutScanner
-from kv_offload.backends.filesystem.index import KeyIndex
-from kv_offload.backends.filesystem.pacing import Pause, let_others_run
 from kv_offload.backends.filesystem.root_budget import (
     HEARTBEAT_NAME,
     RootSurvey,

@@ -5,10 +5,12 @@
   under a temporary name and is renamed into place; a read fills the host buffer in place and
   is served only if the header (format, layout fingerprint, key, size) and the xxh3 checksum
   of the data match (with ``secret_file``: the keyed tag, or the AES-GCM decryption, of
-  ``config.codec``; see ``kv_offload.backends.sealing``). A bad file is removed, counted as
+  ``config.codec``; see ``kv_offload.backends.common.sealing``). A bad file is removed, counted as
   ``rejected_records``, logged once per episode, and reported as a failed key, never raised.
   Removing it is also what keeps a planted file from blocking the key: writes skip keys
   the index holds, and the next write after the failed read stores the real value.
+- Reads are `FileReads`' (reads.py), a part the tier builds with its config, I/O engine,
+  index and counters; the tier keeps the jobs and ends each key whatever its read did.
 - A byte budget with LRU eviction; a key being read is never evicted. A write deletes the
   files it evicts only after its own file has landed: a full disk fails the write and keeps
   them. Write failures are counted by reason and logged once per episode (``episodes``).
@@ -49,6 +51,10 @@ from kv_offload.backends.base import (
     check_tier_request,
     value_bytes,
 )
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.index import KeyIndex, Reservation
+from kv_offload.backends.common.options import parse_options
+from kv_offload.backends.common.rejections import Rejections
 from kv_offload.backends.filesystem.config import FilesystemTierConfig, FilesystemTierStats
 from kv_offload.backends.filesystem.directory import make_private_dirs, prepare_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
@@ -62,20 +68,16 @@ from kv_offload.backends.filesystem.generation_file import (
     read_generation_file,
     write_generation_file,
 )
-from kv_offload.backends.filesystem.index import KeyIndex, Reservation
 from kv_offload.backends.filesystem.io_engine import (
     IOEngine,
     ValueScratch,
     aligned_host_buffer,
-    host_view,
     unlink_quietly,
 )
 from kv_offload.backends.filesystem.reads import FileReads
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
-from kv_offload.backends.options import parse_options
 from kv_offload.backends.record import CHECKSUM, RecordCodec
-from kv_offload.backends.rejections import Rejections
 from kv_offload.config import format_size
 from kv_offload.errors import TierClosedError
 from kv_offload.runtime.affinity import join_our_cpus
@@ -98,7 +100,7 @@ class _Job:
         return TierJobResult(self.job_id, self.keys, tuple(self.succeeded))
 
 
-class FilesystemTier(FileReads, StorageTier):
+class FilesystemTier(StorageTier):
     """A ``StorageTier`` that keeps one safetensors file per key in a directory."""
 
     def __init__(self, config: FilesystemTierConfig) -> None:
@@ -114,7 +116,10 @@ class FilesystemTier(FileReads, StorageTier):
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards jobs, results and counts
         self._writes = FailureEpisodes("write", self._counts, self._lock, logger)
-        self._reads = FailureEpisodes("read", self._counts, self._lock, logger)
+        self._reads = FileReads(config, self._io, self._index, self._scratch, self.file_path,
+                                self._count,
+                                FailureEpisodes("read", self._counts, self._lock, logger),
+                                self._rejections)
         warn_if_larger_than_the_filesystem(self._layout_dir, config.bytes_to_use)
         self._results: deque[TierJobResult] = deque()
         self._job_ids = itertools.count()
@@ -302,6 +307,14 @@ class FilesystemTier(FileReads, StorageTier):
             job.pending -= 1
             if job.pending == 0:
                 self._results.append(job.result())
+
+    def _read_one(self, job: _Job, i: int, key: bytes, value: torch.Tensor | Repack) -> None:
+        ok = False
+        try:
+            ok = self._reads.read(key, value)
+        finally:  # (pinned by `_submit_read`)
+            self._index.end_read(key)
+            self._key_done(job, i, ok)
 
     def _delete(self, keys: list[bytes]) -> None:
         for key in keys:

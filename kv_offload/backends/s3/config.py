@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_offload.backends.options import check_remote_bounds, option
+from kv_offload.backends.common.options import check_remote_bounds, option
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
 

@@ -43,10 +43,11 @@ UNRANGED_READ_LIMIT = 1 << 20  # a GET without a Range (the generation record: ~
 
 
 def _bare_packages() -> None:
-    """Make ``kv_offload``, ``kv_offload.backends`` and ``kv_offload.backends.s3`` importable
+    """Make ``kv_offload``, ``kv_offload.backends`` and its ``common`` and ``s3`` importable
     without running their ``__init__`` (which import torch and every tier)."""
     root = Path(__file__).resolve().parents[3]  # (the directory holding kv_offload/)
-    for name in ("kv_offload", "kv_offload.backends", "kv_offload.backends.s3"):
+    for name in ("kv_offload", "kv_offload.backends", "kv_offload.backends.common",
+                 "kv_offload.backends.s3"):
         package = types.ModuleType(name)
         package.__path__ = [str(root.joinpath(*name.split(".")))]
         sys.modules.setdefault(name, package)
@@ -116,7 +117,7 @@ def main() -> None:
 
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from kv_offload.backends.deadline import install_deadlines, request_deadline
+    from kv_offload.backends.common.deadline import install_deadlines, request_deadline
     from kv_offload.backends.s3.client import make_client
     from kv_offload.backends.s3.config import S3TierConfig
 

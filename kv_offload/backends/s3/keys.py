@@ -5,9 +5,10 @@ its budgeted LRU index and evicted down to its own ``bytes_to_use``: one engine 
 a small budget deleted the fleet's objects (40 -> 3 in a reproduction). Now the budget bounds
 what this engine wrote, and only that is evicted by it:
 
-- ``own``: a ``KeyIndex`` (the disk tier's: LRU, reservations, read pins) of the objects this
-  engine stored, under ``bytes_to_use``; its victims are deleted by the tier.
-- ``others``: a ``ServerKeys`` view (``kv_offload.backends.server_keys``) of objects other
+- ``own``: a ``KeyIndex`` (``kv_offload.backends.common.index``, as the disk tier's: LRU,
+  reservations, read pins) of the objects this engine stored, under ``bytes_to_use``; its
+  victims are deleted by the tier.
+- ``others``: a ``ServerKeys`` view (``kv_offload.backends.common.server_keys``) of objects other
   writers stored (or this engine before a restart: a listing cannot tell): readable, never
   evicted by this engine. What bounds them is the other engines' budgets, and for objects
   nobody owns any more (an engine that stopped or restarted) the bucket's own lifecycle rule
@@ -25,12 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_offload.backends.filesystem.changes import ChangeFeed
-from kv_offload.backends.filesystem.index import KeyIndex, Reservation
-from kv_offload.backends.filesystem.listing import ScanListing
-from kv_offload.backends.filesystem.lru import ShardedLRU
-from kv_offload.backends.filesystem.pacing import Pause, let_others_run
-from kv_offload.backends.server_keys import ServerKeys
+from kv_offload.backends.common.changes import ChangeFeed
+from kv_offload.backends.common.index import KeyIndex, Reservation
+from kv_offload.backends.common.listing import ScanListing
+from kv_offload.backends.common.lru import ShardedLRU
+from kv_offload.backends.common.pacing import Pause, let_others_run
+from kv_offload.backends.common.server_keys import ServerKeys
 
 _CHUNK = 1024  # keys per lock hold when sorting a page of a listing into own and others'
 

@@ -61,11 +61,11 @@ from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kv_offload.backends.deadline import request_deadline
-from kv_offload.backends.filesystem.listing import ScanListing
-from kv_offload.backends.filesystem.pacing import Pause, let_others_run
-from kv_offload.backends.jobs import JobBook
-from kv_offload.backends.outage import Outage
+from kv_offload.backends.common.deadline import request_deadline
+from kv_offload.backends.common.jobs import JobBook
+from kv_offload.backends.common.listing import ScanListing
+from kv_offload.backends.common.outage import Outage
+from kv_offload.backends.common.pacing import Pause, let_others_run
 from kv_offload.backends.s3.keys import BucketKeys, ScanStart
 
 PAGE_OBJECTS = 1000  # objects per page: the unit of ``list_pages_per_refresh``

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import urllib.request
 
-from kv_offload.backends.local_process import LocalProcess
+from kv_offload.backends.common.local_process import LocalProcess
 
 # moto accepts any credentials; boto3 needs some to sign requests.
 TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "kv-offload-test", "AWS_SECRET_ACCESS_KEY": "test",

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kv_offload.backends.deadline import current_deadline
+from kv_offload.backends.common.deadline import current_deadline
 from kv_offload.backends.s3.config import S3TierConfig
 
 logger = logging.getLogger(__name__)

@@ -24,12 +24,12 @@
   one engine with a small budget cannot empty the fleet's prefix. Objects nobody owns any
   more are the bucket lifecycle rule's to expire; ``evict_others`` makes a single owner keep
   the whole prefix within its budget instead.
-- Reads are ranged GETs of at most the record the caller's buffer needs (sized_read.py): an
+- Reads are ranged GETs of at most the record the caller's buffer needs (common/sized_read.py): an
   object of another size costs no more memory than the buffer.
 - ``lookup`` answers from that index (never the network). Jobs run one request per key on
   ``connections`` threads, each request sent to a helper process that runs botocore
   (remote_client.py; ``helper_process: false``: in this process); every request is bounded
-  by ``request_timeout_s`` as a whole however slowly the endpoint sends (deadline.py), an
+  by ``request_timeout_s`` as a whole however slowly the endpoint sends (common/deadline.py), an
   unreachable endpoint makes later jobs fail fast for ``retry_interval_s`` (``Outage``),
   one log line per episode.
 """
@@ -50,13 +50,16 @@ from kv_offload.backends.base import (
     check_tier_keys,
     check_tier_request,
 )
-from kv_offload.backends.deadline import install_deadlines, request_deadline
-from kv_offload.backends.filesystem.index import Reservation
-from kv_offload.backends.filesystem.io_engine import host_view
-from kv_offload.backends.io_threads import IoThreads
-from kv_offload.backends.jobs import Job, JobBook
-from kv_offload.backends.options import parse_options
-from kv_offload.backends.outage import Outage
+from kv_offload.backends.common.deadline import install_deadlines, request_deadline
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.index import Reservation
+from kv_offload.backends.common.io_threads import IoThreads
+from kv_offload.backends.common.jobs import Job, JobBook
+from kv_offload.backends.common.options import parse_options
+from kv_offload.backends.common.outage import Outage
+from kv_offload.backends.common.refresher import Refresher
+from kv_offload.backends.common.rejections import Rejections
+from kv_offload.backends.common.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.backends.record import (
     CHECKSUM,
     NETWORK_ALIGN,
@@ -65,14 +68,11 @@ from kv_offload.backends.record import (
     pack,
     unpack_into,
 )
-from kv_offload.backends.refresher import Refresher
-from kv_offload.backends.rejections import Rejections
 from kv_offload.backends.s3.client import make_client
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.s3.keys import BucketKeys
 from kv_offload.backends.s3.listing import PrefixListing
 from kv_offload.backends.s3.remote_client import HelperClient
-from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.config import format_size
 from kv_offload.runtime.affinity import join_our_cpus
 
@@ -104,7 +104,7 @@ class S3Tier(StorageTier):
         self._rejections = Rejections(f"kv-offload S3 tier {self._where}")
         self._conditional = config.conditional_put
         # (not a ThreadPoolExecutor: 18 tracked objects per queued write there, 6 here;
-        # io_threads.py)
+        # common/io_threads.py)
         self._io = IoThreads(config.connections, "kv-s3-io", initializer=join_our_cpus)
         self._refresher = Refresher(self.poll_listing, config.refresh_interval_s,
                                     name="kv-s3-refresh", what=self._where)

@@ -21,7 +21,7 @@ import stat
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from kv_offload.backends.options import check_remote_bounds, option
+from kv_offload.backends.common.options import check_remote_bounds, option
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.errors import ConfigError
 from kv_offload.runtime.secret_file import read_private_file

@@ -14,7 +14,7 @@ the connection stays a single-server one, undecided, and ``settle`` (each backgr
 refresh) asks again once the server answers.
 
 Every client here is bounded the same way: ``timeout_s`` per socket wait, the thread's
-request deadline (deadline.py) over a whole request, no retries inside redis-py (a retry
+request deadline (common/deadline.py) over a whole request, no retries inside redis-py (a retry
 would double every wait; the tier's ``Outage`` decides when to try again). Values go out
 through the tier's zero-copy packer (packer.py) in both modes: the cluster client takes no
 ``command_packer``, so the connection class carries it.
@@ -41,7 +41,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from kv_offload.backends.deadline import deadline_connection_class, request_deadline
+from kv_offload.backends.common.deadline import deadline_connection_class, request_deadline
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.errors import ConfigError
 

@@ -17,7 +17,7 @@ slow and cheap.
 
 How a pass reconciles, at a bounded cost:
 - Each primary has its own pass (a cursor and the scan generation it began in, see
-  server_keys.py). The names of each page are adopted at once (``ServerKeys.confirm``) and
+  common/server_keys.py). The names of each page are adopted at once (``ServerKeys.confirm``) and
   stamped with the pass's generation. When the cursor comes back to 0 the pass is complete:
   the keys of that primary that predate the pass and that it did not see are dropped
   (``ServerKeys.drop_unseen``, in paced steps), and the next poll starts a new pass.
@@ -38,11 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from kv_offload.backends.deadline import request_deadline
-from kv_offload.backends.filesystem.pacing import Pacer, let_others_run
-from kv_offload.backends.jobs import JobBook
-from kv_offload.backends.outage import Outages
-from kv_offload.backends.server_keys import ServerKeys
+from kv_offload.backends.common.deadline import request_deadline
+from kv_offload.backends.common.jobs import JobBook
+from kv_offload.backends.common.outage import Outages
+from kv_offload.backends.common.pacing import Pacer, let_others_run
+from kv_offload.backends.common.server_keys import ServerKeys
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.connection import SERVER_ERRORS, SINGLE, ValkeyConnection
 

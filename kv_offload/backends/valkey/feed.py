@@ -38,11 +38,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from redis.exceptions import ResponseError
 
-from kv_offload.backends.deadline import request_deadline
-from kv_offload.backends.filesystem.pacing import Pacer, let_others_run
-from kv_offload.backends.jobs import JobBook
-from kv_offload.backends.outage import Outages
-from kv_offload.backends.server_keys import ServerKeys
+from kv_offload.backends.common.deadline import request_deadline
+from kv_offload.backends.common.jobs import JobBook
+from kv_offload.backends.common.outage import Outages
+from kv_offload.backends.common.pacing import Pacer, let_others_run
+from kv_offload.backends.common.server_keys import ServerKeys
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.connection import SERVER_ERRORS, SINGLE, ValkeyConnection
 

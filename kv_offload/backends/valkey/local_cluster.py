@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 
-from kv_offload.backends.local_process import first_on_path
+from kv_offload.backends.common.local_process import first_on_path
 from kv_offload.backends.valkey.local_server import LocalServer, ServerTls
 
 CLIS = ("valkey-cli", "redis-cli")

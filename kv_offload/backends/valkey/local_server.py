@@ -14,7 +14,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 
-from kv_offload.backends.local_process import LocalProcess, first_on_path, free_port
+from kv_offload.backends.common.local_process import LocalProcess, first_on_path, free_port
 
 __all__ = ["BINARIES", "LocalServer", "ServerTls", "free_port", "server_binary"]
 

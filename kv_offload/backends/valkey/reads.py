@@ -2,7 +2,7 @@
 
 A batch is one pipelined round trip to one server: ``STRLEN`` + ``GETRANGE 0 expected-1`` per
 key, so a value of another size costs at most the bytes the caller's buffer expects (see
-sized_read.py). Each reply is then judged: absent (evicted, deleted: a miss, the key leaves
+common/sized_read.py). Each reply is then judged: absent (evicted, deleted: a miss, the key leaves
 the view), refused by the server (counted, noted once), a value that is not ours to serve
 (damaged, foreign, written without the secret: deleted so that the next write replaces it,
 counted as ``rejected_records``), an intact value of another size (the caller's buffer is
@@ -22,9 +22,12 @@ from collections.abc import Callable
 
 import torch
 
-from kv_offload.backends.filesystem.io_engine import host_view
-from kv_offload.backends.jobs import Job, JobBook
-from kv_offload.backends.outage import Outage
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.jobs import Job, JobBook
+from kv_offload.backends.common.outage import Outage
+from kv_offload.backends.common.rejections import Rejections
+from kv_offload.backends.common.server_keys import ServerKeys
+from kv_offload.backends.common.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.backends.record import (
     NETWORK_ALIGN,
     RecordFormatError,
@@ -33,9 +36,6 @@ from kv_offload.backends.record import (
     unpack_in_place,
     unpack_into,
 )
-from kv_offload.backends.rejections import Rejections
-from kv_offload.backends.server_keys import ServerKeys
-from kv_offload.backends.sized_read import expected_bytes, judge_wrong_size
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.connection import (
     SERVER_ERRORS,

@@ -4,7 +4,7 @@
   (``kv_offload.backends.record``: format version, layout fingerprint, key, xxh3 checksum,
   then the data), so a value from another model, layout or library version, or damaged, is a
   miss and is deleted; never wrong bytes. With ``secret_file`` the checksum is a keyed tag
-  or AES-GCM (``config.codec``, kv_offload.backends.sealing): a value written without the
+  or AES-GCM (``config.codec``, kv_offload.backends.common.sealing): a value written without the
   secret is refused the same way, counted as ``rejected_records`` and logged once per
   episode. Deleting it is what keeps ``SET NX`` from keeping a planted value for good: the
   next write after the failed read stores the real one.
@@ -17,13 +17,13 @@
   spread over the connections). Each batch is two pipelined round trips for writes (``EXISTS``
   for every key, then ``SET NX`` for the missing ones: the same key always names the same
   bytes) and one for reads (``STRLEN`` + ``GETRANGE 0 expected-1`` per key: a value of
-  another size is a miss that costs at most the buffer's bytes, see sized_read.py).
+  another size is a miss that costs at most the buffer's bytes, see common/sized_read.py).
 - The server evicts on its own (``maxmemory`` + an LRU/LFU policy): a key found gone is a miss
   and leaves the view. Server down, paused or restarted: every socket wait is bounded by
   ``timeout_s``, the failed keys are misses, and for ``retry_interval_s`` later jobs fail at
   once without waiting (``Outage``); redis-py reconnects on the next call that goes through.
   One log line per episode. A whole request (a batch, a SCAN page) is bounded by
-  ``request_timeout_s`` however slowly the server sends (deadline.py); ``close`` waits at
+  ``request_timeout_s`` however slowly the server sends (common/deadline.py); ``close`` waits at
   most about that long for the I/O threads.
 - Credentials: ``username`` and ``password_file``, TLS files (config.py); a server that
   refuses them, or an ACL that refuses a command the tier needs, is a ``ConfigError`` at
@@ -56,11 +56,14 @@ from kv_offload.backends.base import (
     check_tier_keys,
     check_tier_request,
 )
-from kv_offload.backends.deadline import request_deadline
-from kv_offload.backends.filesystem.io_engine import host_view
-from kv_offload.backends.jobs import Job, JobBook
-from kv_offload.backends.options import parse_options
-from kv_offload.backends.outage import Outages
+from kv_offload.backends.common.deadline import request_deadline
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.jobs import Job, JobBook
+from kv_offload.backends.common.options import parse_options
+from kv_offload.backends.common.outage import Outages
+from kv_offload.backends.common.refresher import Refresher
+from kv_offload.backends.common.rejections import Rejections
+from kv_offload.backends.common.server_keys import ServerKeys
 from kv_offload.backends.record import (
     CHECKSUM,
     NETWORK_ALIGN,
@@ -68,9 +71,6 @@ from kv_offload.backends.record import (
     build_header,
     pack,
 )
-from kv_offload.backends.refresher import Refresher
-from kv_offload.backends.rejections import Rejections
-from kv_offload.backends.server_keys import ServerKeys
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.connection import (
     SERVER_ERRORS,

@@ -36,7 +36,8 @@ from kv_offload.backends.base import (
     TierStats,
     check_tier_request,
 )
-from kv_offload.backends.filesystem.io_engine import host_view
+from kv_offload.backends.common.host_buffers import host_view
+from kv_offload.backends.common.rejections import Rejections
 from kv_offload.backends.record import (
     NETWORK_ALIGN,
     RecordCodec,
@@ -44,7 +45,6 @@ from kv_offload.backends.record import (
     pack_into,
     unpack_into,
 )
-from kv_offload.backends.rejections import Rejections
 from kv_offload.runtime.faults import FaultLog
 
 

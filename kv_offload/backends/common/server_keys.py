@@ -7,12 +7,12 @@ bounded background SCAN: a key the server evicted stays in the view until a read
 or the next scan, and a key another process wrote appears with the next scan. A read that
 misses is a miss (the engine recomputes), never wrong bytes.
 
-Scans are merged with a generation stamp, as the filesystem tier's index does: SCAN returns
+Scans are merged with a generation stamp, as the key index (``common.index``) does: SCAN returns
 every key present for its whole duration, but a key added while it runs may be missing from
 it, so only keys already in the view when the scan began are dropped when the scan did not
 see them. A paced scan (the Valkey tier's crawl, a few pages per poll) stamps the keys it
 sees with ``confirm`` and ends with ``drop_unseen``. Every change also goes to the view's
-``ChangeFeed`` (the filesystem tier's), under the view's lock, so the feed and the view
+``ChangeFeed`` (``common.changes``), under the view's lock, so the feed and the view
 never disagree.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from kv_offload.backends.base import TierChanges
-from kv_offload.backends.filesystem.changes import ChangeFeed
-from kv_offload.backends.filesystem.pacing import Pacer, Pause, let_others_run
+from kv_offload.backends.common.changes import ChangeFeed
+from kv_offload.backends.common.pacing import Pacer, Pause, let_others_run
 
 
 class ServerKeys:

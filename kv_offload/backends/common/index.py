@@ -1,4 +1,7 @@
-"""The in-memory index of the filesystem tier: which keys are on disk, LRU order, byte budget.
+"""A tier's in-memory key index: which keys it stored, LRU order, byte budget.
+
+The filesystem tier keeps one over its directory, the S3 tier one over the objects this engine
+wrote (``s3.keys``): shared here, in ``backends.common``, so that neither tier imports the other.
 
 Contents:
 - `KeyIndex`: keys and file sizes in LRU order under a byte budget; write reservations, read
@@ -7,10 +10,11 @@ Contents:
 (`ScanListing`, `ScannedFile` and `MergeResult`, the input and output of merges, are in
 ``listing``; ``let_others_run`` and `Pacer` in ``pacing``.)
 
-No I/O here: lookups on the scheduler's hot path only take a lock. The index decides what to
-evict and hands the victims back; the caller deletes their files (off the hot path) and
-tolerates files that another process already deleted. Every change of the key set is recorded
-in a `ChangeFeed` while the index lock is held, so the feed's order matches the index's.
+No I/O here (files and objects are the tier's): lookups on the scheduler's hot path only take
+a lock. The index decides what to evict and hands the victims back; the caller deletes their
+files (off the hot path) and tolerates files that another process already deleted. Every
+change of the key set is recorded in a `ChangeFeed` while the index lock is held, so the
+feed's order matches the index's.
 
 Order is a segmented LRU (`SegmentedLRU`): a new file enters probation; an access (a read, a
 rewrite of the same key, or a lookup's hit reported through ``touch``) moves it to the
@@ -46,10 +50,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
-from kv_offload.backends.filesystem.changes import ChangeFeed
-from kv_offload.backends.filesystem.listing import MergeResult, ScanListing, ScannedFile
-from kv_offload.backends.filesystem.lru import SegmentedLRU
-from kv_offload.backends.filesystem.pacing import Pacer, Pause, let_others_run
+from kv_offload.backends.common.changes import ChangeFeed
+from kv_offload.backends.common.listing import MergeResult, ScanListing, ScannedFile
+from kv_offload.backends.common.lru import SegmentedLRU
+from kv_offload.backends.common.pacing import Pacer, Pause, let_others_run
 
 _RUN = 1024  # new keys are sorted in runs of this many (~0.2 ms each), merged lazily
 PROTECTED_SHARE = 0.8  # of the budget: keys that served a hit

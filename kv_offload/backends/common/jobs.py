@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from kv_offload.backends.base import TierJobResult
-from kv_offload.backends.io_threads import IoThreads
+from kv_offload.backends.common.io_threads import IoThreads
 from kv_offload.errors import TierClosedError
 
 NOTE_INTERVAL_S = 60.0

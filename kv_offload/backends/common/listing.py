@@ -1,4 +1,4 @@
-"""What a directory scan found: the input of an index merge.
+"""What a scan found (a directory's files, a bucket prefix's objects): the input of an index merge.
 
 Contents:
 - `ScanListing`: the final files of one scan, already grouped by LRU shard.
@@ -20,7 +20,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kv_offload.backends.filesystem.lru import NUM_SHARDS, ShardedLRU
+from kv_offload.backends.common.lru import NUM_SHARDS, ShardedLRU
 
 
 @dataclass(frozen=True)
