@@ -6,11 +6,11 @@
 An operator restarting a node with a full cache starts the engine over a directory that
 already holds hundreds of thousands of block files. This runs the real vLLM CPU engine
 (in-process engine core, a random-weight Llama-like model built by
-`kv_offload.testing.tiny_models`, KVOffloadConnector with a host tier and `fs_root_dir`)
+`kv_offload.testing.tiny_models`, KVOffloadConnector with a host tier and the disk tier)
 twice per tree, each in its own child process:
 
-  empty  over an empty `fs_root_dir`;
-  full   over a `fs_root_dir` pre-filled with `--files` files (default 300k), in thirds:
+  empty  over an empty disk-tier directory;
+  full   over a disk-tier directory pre-filled with `--files` files (default 300k), in thirds:
          files named as our keys in our own layout directory but holding garbage (corrupt,
          adopted by the inventory, a miss if ever read), foreign files (other names) in our
          fan-out directories, and block files of another layout directory with no heartbeat
@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 32
-CONNECTOR_EXTRA = {"cpu_bytes_to_use": "512MiB", "fs_bytes_to_use": "16GiB"}
+CONNECTOR_EXTRA = {"cpu_bytes_to_use": "512MiB"}
+DISK_BYTES = "16GiB"
 GOAL = 0.85
 SCAN_FUNCTIONS = ("scan_layout_dir", "survey_root", "merge_scan", "merge_changes",
                   "_files_under", "FanoutScanner", "_relist", "totals", "rescan")
@@ -134,7 +135,9 @@ def _fill(root: Path, layout_name: str, files: int, seed: int = 0) -> dict[str, 
 def _transfer_config(root: Path) -> dict[str, Any]:
     return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(root)}}
+            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "storage_tier": "filesystem",
+                                          "storage_options": {"root_dir": str(root),
+                                                              "bytes_to_use": DISK_BYTES}}}
 
 
 class Engine:

@@ -251,8 +251,9 @@ def run_model(model: str, trace: list[Request], work: Path, cache: Path,
     transfer = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": HOST_BYTES,
-                                              "fs_root_dir": str(disk),
-                                              "fs_bytes_to_use": DISK_BYTES}}
+                                              "storage_tier": "filesystem",
+                                              "storage_options": {"root_dir": str(disk),
+                                                                  "bytes_to_use": DISK_BYTES}}}
     rounds = [[q for q in trace if q.round == r] for r in range(ROUNDS)]
     t0 = time.perf_counter()
     without = _engine(f"{model}-without", path, rounds, None, work, tree)

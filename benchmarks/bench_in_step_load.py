@@ -63,7 +63,9 @@ def disk_worker(caches, groups, engine_blocks: int, blocks: int, block_bytes: in
     """A worker over a disk tier whose host tier holds SETS - 1 hits: every hit stored and
     written through, the first one evicted from host memory (on disk only)."""
     config = OffloadConfig(cpu_bytes_to_use=(SETS - 1) * blocks * block_bytes,
-                           fs_root_dir=root, fs_bytes_to_use=4 * SETS * blocks * block_bytes)
+                           storage_tier="filesystem",
+                           storage_options={"root_dir": root,
+                                            "bytes_to_use": 4 * SETS * blocks * block_bytes})
     worker = OffloadWorker(config, 0, "bench-in-step-disk")
     worker.register(caches, groups, engine_blocks)
     sets = [[block_hash(i, b"disk-%d" % k) for i in range(blocks)] for k in range(SETS)]

@@ -131,7 +131,8 @@ def build_prompts(args: argparse.Namespace) -> list[tuple[int, str]]:
 def transfer_config(disk_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"cpu_bytes_to_use": f"{args.host_tier_mib}MiB"}
     if args.disk_tier_mib:
-        extra.update(fs_root_dir=str(disk_dir), fs_bytes_to_use=f"{args.disk_tier_mib}MiB")
+        extra.update(storage_tier="filesystem", storage_options={
+            "root_dir": str(disk_dir), "bytes_to_use": f"{args.disk_tier_mib}MiB"})
     return {
         "kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

@@ -57,8 +57,8 @@ def open_rank(root: str, tp: int, rank: int, layout: str, blocks: int, shared: b
     records = rank_records(canonical, model.kv_caches, model.groups,
                            TPShare("bench", tp, rank, HEADS), shape_fp) if shared else None
     slot = canonical.slot_bytes_per_block(0)
-    config = parse_config({"cpu_bytes_to_use": (blocks + 1) * slot, "fs_root_dir": root,
-                           "fs_bytes_to_use": "8GiB"})
+    config = parse_config({"cpu_bytes_to_use": (blocks + 1) * slot, "storage_tier": "filesystem",
+                           "storage_options": {"root_dir": root, "bytes_to_use": "8GiB"}})
     store = TieredStore.from_config(canonical, config, shape_fp, records=records)
     if warm:  # (every page of the host pool written once, as in a running server)
         store.cpu.pool.fill_(0)

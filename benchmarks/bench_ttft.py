@@ -67,7 +67,8 @@ MODEL_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4}
 # attention layer every 4th (a Mamba-type hybrid; vLLM picks its own unified block size).
 ARCHS = {"llama": ("Llama-like", MODEL_SIZES),
          "qwen3_next": ("Qwen3-Next-like", {**MODEL_SIZES, "linear_heads": 2})}
-CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB", "fs_bytes_to_use": "8GiB"}
+CONNECTOR_EXTRA = {"cpu_bytes_to_use": "2GiB"}
+DISK_BYTES = "8GiB"
 PASSES = ("cold_no_connector", "vllm_hit", "cold_with_connector", "host", "vllm_hit_host_process",
           "disk", "vllm_hit_disk_process", "cold_layer_wise", "host_layer_wise")
 SAME_PROCESS = {"host": "vllm_hit_host_process", "disk": "vllm_hit_disk_process"}
@@ -162,7 +163,9 @@ def _mkdir(path: Path) -> Path:
 def _transfer_config(fs_root_dir: Path, **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(fs_root_dir),
+            "kv_connector_extra_config": {**CONNECTOR_EXTRA, "storage_tier": "filesystem",
+                                          "storage_options": {"root_dir": str(fs_root_dir),
+                                                              "bytes_to_use": DISK_BYTES},
                                           **extra}}
 
 

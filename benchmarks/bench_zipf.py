@@ -335,7 +335,9 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(disk_dir, ignore_errors=True)  # every budget starts empty
             disk_dir.mkdir(parents=True)
             extra = {"cpu_bytes_to_use": sizes["cpu_bytes_to_use"],
-                     "fs_root_dir": str(disk_dir), "fs_bytes_to_use": sizes["fs_bytes_to_use"]}
+                     "storage_tier": "filesystem",
+                     "storage_options": {"root_dir": str(disk_dir),
+                                         "bytes_to_use": sizes["fs_bytes_to_use"]}}
             transfer = {"kv_connector": "KVOffloadConnector",
                         "kv_connector_module_path": "kv_offload.vllm", "kv_role": "kv_both",
                         "kv_load_failure_policy": "recompute",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -27,6 +28,9 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+# The disk tier's old keys -> its storage_options (one documented spelling: the options).
+OLD_DISK_KEYS = {"fs_root_dir": "root_dir", "fs_bytes_to_use": "bytes_to_use",
+                 "fs_fsync": "fsync"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -37,19 +41,21 @@ class OffloadConfig:
     cpu_bytes_to_use: int
     """Bytes of host memory for the CPU tier (required: the primary tier)."""
     fs_root_dir: str | None = None
-    """Directory of the disk tier; None disables it."""
+    """The old spelling of storage_tier 'filesystem' with storage_options root_dir (read until
+    0.2, with a FutureWarning): the directory of the disk tier."""
     fs_bytes_to_use: int | None = None
-    """Disk budget in bytes; required when fs_root_dir is set."""
+    """The old spelling of storage_options bytes_to_use (with fs_root_dir): the disk budget."""
     block_size: int | None = None
     """Tokens per offloaded block: unset, or the engine block size (no other value is served)."""
     eviction_policy: str = "slru"
     """Host tier eviction: 'slru' (segmented LRU: keys that served a hit outlive keys stored
     once), 'lru', 'arc', or 'package.module:ClassName' for a custom policy."""
     fs_fsync: bool = False
-    """fsync files and their directory after each write (durable across power loss)."""
+    """The old spelling of storage_options fsync (with fs_root_dir): fsync files and their
+    directory after each write."""
     storage_tier: str | None = None
-    """The secondary tier: 'filesystem', 'valkey', 's3' or 'package.module:ClassName'
-    (see kv_offload.backends); None: fs_root_dir decides."""
+    """The secondary tier: 'filesystem' (the disk tier), 'valkey', 's3' or
+    'package.module:ClassName' (see kv_offload.backends); None: host memory only."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Settings of storage_tier, checked by that tier at start-up (unknown options are
     refused)."""
@@ -181,6 +187,12 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             if not isinstance(extra[flag], bool):
                 raise ConfigError(f"{flag} must be true or false, got {extra[flag]!r}")
             values[flag] = extra[flag]
+    old = [key for key in OLD_DISK_KEYS if key in extra]
+    if old:  # (checked above as before; storage_choice maps them to the filesystem tier)
+        warnings.warn(f"{', '.join(old)}: the old spelling of the disk tier, read until "
+                      f"kv-offload 0.2; write \"storage_tier\": \"filesystem\", "
+                      f"\"storage_options\": {{\"root_dir\": ..., \"bytes_to_use\": ..., "
+                      f"\"fsync\": ...}} instead", FutureWarning, stacklevel=2)
     values.update(_parse_storage_tier(extra))
     values.update(_parse_secret(extra))
     return OffloadConfig(**values)

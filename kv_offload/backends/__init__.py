@@ -2,10 +2,11 @@
 
 The connector config picks the secondary tier with ``storage_tier``: a built-in name below or
 ``"package.module:ClassName"`` (a ``StorageTier`` subclass), with its settings in
-``storage_options``. The older ``fs_root_dir`` / ``fs_bytes_to_use`` keys still open the
-filesystem tier. Each tier checks its own options (``StorageTier.check_options``) at start-up
-in every process, before anything connects, so a typo stops the server with a ``ConfigError``
-that names the option and lists the accepted ones.
+``storage_options``. The old ``fs_root_dir`` / ``fs_bytes_to_use`` / ``fs_fsync`` keys
+still open the filesystem tier until 0.2 (`parse_config` warns: one documented spelling).
+Each tier checks its own options (``StorageTier.check_options``) at start-up in every
+process, before anything connects, so a typo stops the server with a ``ConfigError`` that
+names the option and lists the accepted ones.
 
 Contents:
 - ``BUILTIN_TIERS``: name -> "module:Class" (and the pip extra a tier needs).

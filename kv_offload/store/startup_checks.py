@@ -9,8 +9,9 @@ OOM kill, a silently disabled tier or an error on the first request:
 - the eviction policy imports and builds;
 - the host tiers of the ranks on this machine fit in the memory available now, and each
   holds at least one block;
-- `fs_root_dir` is (or can be made) a directory this process can write files in;
-- `fs_bytes_to_use` holds at least one block file.
+- the disk tier's `root_dir` is (or can be made) a directory this process can write files in,
+  and its `bytes_to_use` holds at least one block file (in either spelling: storage_options,
+  or the old `fs_root_dir` / `fs_bytes_to_use`; each error names the key as written).
 
 `check_before_engine_start` runs the part that needs no model, from the connector class's
 hooks that vLLM calls before it starts an engine (see `vllm/connector.py`: on CUDA with
@@ -25,11 +26,12 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kv_offload.backends import check_storage_config
 from kv_offload.backends.common.sealing import check_crypto_available
-from kv_offload.config import OffloadConfig, parse_config
+from kv_offload.config import OffloadConfig, parse_config, parse_size
 from kv_offload.errors import ConfigError
 from kv_offload.specs import KVCacheGroup
 from kv_offload.store.policies import POLICIES, make_policy
@@ -92,35 +94,61 @@ def check_startup(config: OffloadConfig, groups: Sequence[KVCacheGroup], *,
             f"cpu_bytes_to_use={config.cpu_bytes_to_use} x {local_ranks} rank(s) = {wanted} "
             f"bytes of host memory, but only {available} are available on this machine; "
             f"lower cpu_bytes_to_use (it is per worker rank)")
-    if config.fs_root_dir is not None:
-        _check_writable_dir(config.fs_root_dir)
+    disk = _disk_tier(config)
+    if disk is not None:
+        _check_writable_dir(disk.root, disk.root_key)
         smallest = block + FILE_HEADER_ALLOWANCE
-        if config.fs_bytes_to_use is not None and config.fs_bytes_to_use < smallest:
+        if disk.budget is not None and disk.budget < smallest:
             raise ConfigError(
-                f"fs_bytes_to_use={config.fs_bytes_to_use} cannot hold one block file "
+                f"{disk.budget_key}={disk.budget} cannot hold one block file "
                 f"({smallest} bytes with its header): the disk tier would store nothing; "
-                f"raise fs_bytes_to_use or remove fs_root_dir")
+                f"raise {disk.budget_key} or remove {disk.root_key}")
 
 
 def check_before_engine_start(extra: Mapping[str, Any] | None) -> OffloadConfig:
     """Every check of `kv_connector_extra_config` that needs no model: keys, types, values,
-    the eviction policy, the storage tier's options, `fs_root_dir`, and host memory for one
-    rank. vLLM asks the connector class questions before it loads the model; answering
-    runs this, so a bad configuration stops vLLM before it starts an engine."""
+    the eviction policy, the storage tier's options, the disk tier's directory, and host
+    memory for one rank. vLLM asks the connector class questions before it loads the model;
+    answering runs this, so a bad configuration stops vLLM before it starts an engine."""
     config = parse_config(extra)
     check_startup(config, (), local_ranks=1)
     return config
 
 
-def _check_writable_dir(root: str) -> None:
+@dataclass(frozen=True)
+class _DiskTier:
+    root: str
+    budget: int | None
+    root_key: str  # the keys as the configuration spells them, for the errors
+    budget_key: str
+
+
+def _disk_tier(config: OffloadConfig) -> _DiskTier | None:
+    """The disk tier's directory and budget, in whichever spelling the config used."""
+    if config.fs_root_dir is not None:
+        return _DiskTier(config.fs_root_dir, config.fs_bytes_to_use, "fs_root_dir",
+                         "fs_bytes_to_use")
+    if config.storage_tier != "filesystem":
+        return None
+    options = config.storage_options
+    root, budget = options.get("root_dir"), options.get("bytes_to_use")
+    if not isinstance(root, str | os.PathLike) or not os.fspath(root):
+        return None  # (the tier's own option check names it)
+    budget_key = "storage_options.bytes_to_use"
+    return _DiskTier(os.path.abspath(os.path.expanduser(os.fspath(root))),
+                     None if budget is None else parse_size(budget_key, budget),
+                     "storage_options.root_dir", budget_key)
+
+
+def _check_writable_dir(root: str, key: str) -> None:
     if os.path.exists(root) and not os.path.isdir(root):
-        raise ConfigError(f"fs_root_dir={root!r} exists and is not a directory; expected a "
+        raise ConfigError(f"{key}={root!r} exists and is not a directory; expected a "
                           f"directory (or a path where one can be created)")
     try:
         os.makedirs(root, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".kv-offload-probe."):
             pass
     except OSError as e:
-        raise ConfigError(f"fs_root_dir={root!r} is not a writable directory: "
+        raise ConfigError(f"{key}={root!r} is not a writable directory: "
                           f"{e.strerror or e}; expected a directory this process can create "
                           f"files in") from e

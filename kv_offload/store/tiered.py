@@ -144,7 +144,7 @@ class TieredStore:
         codec = make_codec(config.secret_file, config.encrypt)
         if records is not None:
             fingerprint = records.fingerprint
-        storage = make_storage_tier(config, fingerprint, codec)  # fs_root_dir or storage_tier
+        storage = make_storage_tier(config, fingerprint, codec)  # (storage_tier, or fs_*)
         if storage is not None and records is not None:
             storage = TPRecordTier(storage, records)
         return cls(canonical, config.cpu_bytes_to_use, storage=storage, codec=codec,

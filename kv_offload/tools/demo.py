@@ -65,7 +65,8 @@ DEPRECATED_MODEL_NAMES = {"qwen3_next": "qwen3-next"}
 DEFAULT_PROMPT_TOKENS = {"tiny": 300, "small": 1500}
 DEFAULT_REPEATS = 3
 ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
-CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB", "fs_bytes_to_use": "4GiB"}
+CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB"}
+DISK_BYTES = "4GiB"
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,9 @@ def kv_transfer_config(fs_root_dir: Path) -> dict[str, Any]:
         "kv_connector_module_path": "kv_offload.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {**CONNECTOR_EXTRA, "fs_root_dir": str(fs_root_dir)},
+        "kv_connector_extra_config": {**CONNECTOR_EXTRA, "storage_tier": "filesystem",
+                                      "storage_options": {"root_dir": str(fs_root_dir),
+                                                          "bytes_to_use": DISK_BYTES}},
     }
 
 

@@ -31,7 +31,8 @@ MODELS = ["llama", "gemma3"]
 def connector_config(fs_root: Path | None, cpu_bytes: str = "64MiB") -> dict[str, Any]:
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes}
     if fs_root is not None:
-        extra.update(fs_root_dir=str(fs_root), fs_bytes_to_use="256MiB")
+        extra.update(storage_tier="filesystem",
+                     storage_options={"root_dir": str(fs_root), "bytes_to_use": "256MiB"})
     return {
         "kv_connector": "KVOffloadConnector",
         "kv_connector_module_path": "kv_offload.vllm",

@@ -108,9 +108,10 @@ def events_run(tiny_models, tmp_path_factory) -> dict[str, Any]:
                     "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {
                         "cpu_bytes_to_use": 4 * BLOCK_BYTES,  # 4 blocks: prompt 1 is evicted
-                        "fs_root_dir": str(work / "kv"),
-                        # room for about 7 block files: prompts 2 and 3 push prompt 1 out
-                        "fs_bytes_to_use": 7 * (BLOCK_BYTES + 8192)}},
+                        "storage_tier": "filesystem", "storage_options": {
+                            "root_dir": str(work / "kv"),
+                            # room for about 7 block files: prompts 2 and 3 push prompt 1 out
+                            "bytes_to_use": 7 * (BLOCK_BYTES + 8192)}}},
                 "kv_events_config": {
                     "enable_kv_cache_events": True, "publisher": "zmq", "topic": TOPIC,
                     "endpoint": f"tcp://127.0.0.1:{subscriber.port}"}},

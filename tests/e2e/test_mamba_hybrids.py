@@ -60,7 +60,8 @@ def connector_config(fs_root: Path | None, *, module: str = "kv_offload.vllm",
                      name: str = "KVOffloadConnector") -> dict[str, Any]:
     extra: dict[str, Any] = {"cpu_bytes_to_use": "128MiB"}
     if fs_root is not None:
-        extra.update(fs_root_dir=str(fs_root), fs_bytes_to_use="512MiB")
+        extra.update(storage_tier="filesystem",
+                     storage_options={"root_dir": str(fs_root), "bytes_to_use": "512MiB"})
     return {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 

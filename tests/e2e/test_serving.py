@@ -80,8 +80,9 @@ def connector_config(fs_root: Path) -> dict[str, Any]:
     return {
         "kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kv_offload.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": "64MiB", "fs_root_dir": str(fs_root),
-                                      "fs_bytes_to_use": "256MiB"},
+        "kv_connector_extra_config": {"cpu_bytes_to_use": "64MiB", "storage_tier": "filesystem",
+                                      "storage_options": {"root_dir": str(fs_root),
+                                                          "bytes_to_use": "256MiB"}},
     }
 
 

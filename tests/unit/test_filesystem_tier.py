@@ -179,10 +179,10 @@ def test_a_missing_root_is_created(tmp_path):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("bytes_to_use", 0, "fs_bytes_to_use must be a positive int"),
-        ("bytes_to_use", 1.5, "fs_bytes_to_use must be a positive int"),
+        ("bytes_to_use", 0, "bytes_to_use must be a positive int"),
+        ("bytes_to_use", 1.5, "bytes_to_use must be a positive int"),
         ("layout_fingerprint", "", "layout_fingerprint must be a non-empty str"),
-        ("root_dir", "", "fs_root_dir must be a non-empty path"),
+        ("root_dir", "", "root_dir must be a non-empty path"),
         ("io_threads", 0, "io_threads must be a positive int"),
         ("rescan_interval_s", -1, "rescan_interval_s must be a number >= 0"),
     ],

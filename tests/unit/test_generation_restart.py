@@ -23,8 +23,9 @@ from kv_offload.types import Location
 
 def config_for(request, tmp_path, backend: str, **extra):
     if backend == "filesystem":
-        return parse_config({"cpu_bytes_to_use": "8MiB", "fs_root_dir": str(tmp_path / "root"),
-                             "fs_bytes_to_use": "64MiB", **extra})
+        return parse_config({"cpu_bytes_to_use": "8MiB", "storage_tier": "filesystem",
+                             "storage_options": {"root_dir": str(tmp_path / "root"),
+                                                 "bytes_to_use": "64MiB"}, **extra})
     options = shared_tier_options(backend, request, "gen")
     return parse_config({"cpu_bytes_to_use": "8MiB", "storage_tier": backend,
                          "storage_options": options, **extra})

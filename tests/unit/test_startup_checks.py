@@ -27,9 +27,23 @@ def config(**extra):
     return parse_config({"cpu_bytes_to_use": "64MiB", **extra})
 
 
-def test_a_sane_config_passes(tmp_path):
-    check_startup(config(fs_root_dir=str(tmp_path / "kv"), fs_bytes_to_use="1GiB"), GROUPS,
-                  available=PLENTY)
+def disk(root, budget, spelling: str):
+    """The disk tier in the documented spelling (storage_options) or the old one (fs_*)."""
+    if spelling == "old":
+        with pytest.warns(FutureWarning, match="old spelling of the disk tier"):
+            return config(fs_root_dir=str(root), fs_bytes_to_use=budget)
+    return config(storage_tier="filesystem",
+                  storage_options={"root_dir": str(root), "bytes_to_use": budget})
+
+
+SPELLINGS = pytest.mark.parametrize("spelling, root_key, budget_key", [
+    ("options", "storage_options.root_dir", "storage_options.bytes_to_use"),
+    ("old", "fs_root_dir", "fs_bytes_to_use")])
+
+
+@SPELLINGS
+def test_a_sane_config_passes(tmp_path, spelling, root_key, budget_key):
+    check_startup(disk(tmp_path / "kv", "1GiB", spelling), GROUPS, available=PLENTY)
     assert (tmp_path / "kv").is_dir()  # created up front, as the tier will need it
 
 
@@ -73,22 +87,23 @@ def test_a_host_tier_smaller_than_one_block_is_refused():
     assert block_bytes(GROUPS) == BLOCK
 
 
-def test_a_disk_budget_smaller_than_one_block_file_is_refused(tmp_path):
+@SPELLINGS
+def test_a_disk_budget_smaller_than_one_block_file_is_refused(tmp_path, spelling, root_key,
+                                                              budget_key):
     too_small = BLOCK + FILE_HEADER_ALLOWANCE - 1
-    with pytest.raises(ConfigError, match="fs_bytes_to_use=.*cannot hold one block file"):
-        check_startup(config(fs_root_dir=str(tmp_path), fs_bytes_to_use=too_small), GROUPS,
-                      available=PLENTY)
+    with pytest.raises(ConfigError, match=f"{budget_key}=.*cannot hold one block file"):
+        check_startup(disk(tmp_path, too_small, spelling), GROUPS, available=PLENTY)
 
 
-def test_a_root_dir_that_is_a_file_or_cannot_be_created_is_refused(tmp_path):
+@SPELLINGS
+def test_a_root_dir_that_is_a_file_or_cannot_be_created_is_refused(tmp_path, spelling,
+                                                                   root_key, budget_key):
     afile = tmp_path / "file"
     afile.write_text("x")
-    with pytest.raises(ConfigError, match="is not a directory"):
-        check_startup(config(fs_root_dir=str(afile), fs_bytes_to_use="1GiB"), GROUPS,
-                      available=PLENTY)
-    with pytest.raises(ConfigError, match="not a writable directory"):
-        check_startup(config(fs_root_dir=str(afile / "below"), fs_bytes_to_use="1GiB"),
-                      GROUPS, available=PLENTY)
+    with pytest.raises(ConfigError, match=f"{root_key}=.*is not a directory"):
+        check_startup(disk(afile, "1GiB", spelling), GROUPS, available=PLENTY)
+    with pytest.raises(ConfigError, match=f"{root_key}=.*not a writable directory"):
+        check_startup(disk(afile / "below", "1GiB", spelling), GROUPS, available=PLENTY)
 
 
 def test_the_host_pool_is_exactly_whole_slots_within_the_budget():

@@ -41,8 +41,10 @@ def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_
                                      "aes256gcm)")):
         caplog.clear()
         worker = OffloadWorker(OffloadConfig(
-            cpu_bytes_to_use=1 << 20, fs_root_dir=str(tmp_path / f"kv{encrypt}"),
-            fs_bytes_to_use=64 << 20, secret_file=str(secret), encrypt=encrypt), 0, "m")
+            cpu_bytes_to_use=1 << 20, storage_tier="filesystem",
+            storage_options={"root_dir": str(tmp_path / f"kv{encrypt}"),
+                             "bytes_to_use": 64 << 20},
+            secret_file=str(secret), encrypt=encrypt), 0, "m")
         engine = Engine()
         with caplog.at_level(logging.INFO, logger="kv_offload"):
             worker.register(engine.caches, engine.groups, 32)

@@ -171,8 +171,13 @@ def test_a_third_party_tier_can_check_its_own_options(monkeypatch):
 
 
 def test_the_filesystem_tier_by_either_spelling(tmp_path):
-    old = make_storage_tier(parse_config({"cpu_bytes_to_use": 1, "fs_root_dir": str(tmp_path),
-                                          "fs_bytes_to_use": "1MiB"}), "fp")
+    """storage_options is the one documented spelling; the old fs_* keys still open the
+    same tier until 0.2, with a FutureWarning (shown by default) naming the new spelling."""
+    with pytest.warns(FutureWarning, match='fs_root_dir, fs_bytes_to_use: the old spelling.*'
+                                           '"storage_tier": "filesystem"'):
+        old_config = parse_config({"cpu_bytes_to_use": 1, "fs_root_dir": str(tmp_path),
+                                   "fs_bytes_to_use": "1MiB"})
+    old = make_storage_tier(old_config, "fp")
     new = make_storage_tier(parse("filesystem", {"root_dir": str(tmp_path / "b"),
                                                  "bytes_to_use": "2MiB", "io_threads": 2,
                                                  "rescan_interval_s": 0}), "fp")

@@ -151,8 +151,9 @@ def test_absent_keys_fail_and_a_full_pool_skips_what_does_not_fit():
 
 def test_from_config_builds_both_tiers(tmp_path):
     _, canonical = hybrid()
-    config = parse_config({"cpu_bytes_to_use": "8MiB", "fs_root_dir": str(tmp_path),
-                           "fs_bytes_to_use": "64MiB", "eviction_policy": "arc"})
+    config = parse_config({"cpu_bytes_to_use": "8MiB", "storage_tier": "filesystem",
+                           "storage_options": {"root_dir": str(tmp_path), "bytes_to_use": "64MiB"},
+                           "eviction_policy": "arc"})
     store = TieredStore.from_config(canonical, config, layout_fingerprint(canonical, "tp0/1"))
     assert store.storage is not None and store.cpu.num_slots > 0
     store.close()

@@ -185,7 +185,8 @@ def test_engines_probe_only_where_a_storage_read_can_load_in_step(tmp_path):
     _, caches = allocate_kv_caches(groups, 8, "LBHNC")
     one_group = canonicalize(caches, groups, 8)
     _, two_groups = hybrid()
-    base = {"cpu_bytes_to_use": "8MiB", "fs_root_dir": str(tmp_path), "fs_bytes_to_use": "64MiB"}
+    base = {"cpu_bytes_to_use": "8MiB", "storage_tier": "filesystem",
+            "storage_options": {"root_dir": str(tmp_path), "bytes_to_use": "64MiB"}}
     cases = [(one_group, {}, PROBE_BYTES), (one_group, {"in_step_read_s": 0}, 0),
              (one_group, {"in_step_load_bytes": 0}, 0), (two_groups, {}, 0)]
     for canonical, extra, expected in cases:

@@ -121,7 +121,8 @@ def load_and_check(name: str, a: int, b: int, storage: dict, seed: int, **kw) ->
 
 
 def fs(tmp_path) -> dict:
-    return {"fs_root_dir": str(tmp_path / "root"), "fs_bytes_to_use": "1GiB"}
+    return {"storage_tier": "filesystem",
+            "storage_options": {"root_dir": str(tmp_path / "root"), "bytes_to_use": "1GiB"}}
 
 
 # Every pair for a GQA model (heads split 8/4/2/1 ways); for the MLA latent (one record,

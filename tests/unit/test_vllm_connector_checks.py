@@ -93,8 +93,8 @@ def test_every_class_hook_vllm_calls_before_an_engine_starts_refuses_a_bad_confi
 
 
 def test_the_class_hooks_answer_neutrally_for_a_good_config(tmp_path):
-    extra = {"cpu_bytes_to_use": "64MiB", "fs_root_dir": str(tmp_path / "kv"),
-             "fs_bytes_to_use": "1GiB"}
+    extra = {"cpu_bytes_to_use": "64MiB", "storage_tier": "filesystem",
+             "storage_options": {"root_dir": str(tmp_path / "kv"), "bytes_to_use": "1GiB"}}
     assert KVOffloadConnector.requires_piecewise_for_cudagraph(extra) is False
     assert KVOffloadConnector.get_required_kvcache_layout(
         VllmConfig(kv_transfer_config=transfer_config(extra))) is None

@@ -39,8 +39,10 @@ def worker_over_a_slow_disk(engine, tmp_path, workers, monkeypatch, hashes):
     store(first, {0: (hashes, list(range(1, 1 + len(hashes))))})
     first.shutdown()  # on disk now
     worker = OffloadWorker(OffloadConfig(cpu_bytes_to_use=1 << 20,
-                                         fs_root_dir=str(tmp_path / "kv"),
-                                         fs_bytes_to_use=64 << 20, in_step_read_s=0,
+                                         storage_tier="filesystem",
+                                         storage_options={"root_dir": str(tmp_path / "kv"),
+                                                          "bytes_to_use": 64 << 20},
+                                         in_step_read_s=0,
                                          copy_timeout_s=BOUND_S), 0, "test-model")
     worker.register(engine.caches, engine.groups, NUM_BLOCKS)
     workers.append(worker)

@@ -249,7 +249,8 @@ def test_a_disk_hit_loads_in_step_once_the_rank_has_measured_its_reads(engines, 
     """A new engine over a disk directory another engine filled: its first disk hit loads
     asynchronously (no read measured yet) and measures the read; the next disk hit, well
     within `in_step_read_s`, is read inside the step that runs it."""
-    disk = {**IN_STEP, "fs_root_dir": str(tmp_path / "kv"), "fs_bytes_to_use": 64 << 20,
+    disk = {**IN_STEP, "storage_tier": "filesystem",
+            "storage_options": {"root_dir": str(tmp_path / "kv"), "bytes_to_use": 64 << 20},
             "in_step_read_s": 5.0}  # (a generous budget: this machine is shared)
     first = engines(disk)
     first.run_to_completion("A")

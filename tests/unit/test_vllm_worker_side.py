@@ -58,8 +58,9 @@ def block_hash(i: int, salt: bytes = b"") -> bytes:
 
 def make_worker(engine: Engine, tmp_path: Path | None = None, rank: int = 0,
                 **options) -> OffloadWorker:
-    disk = {} if tmp_path is None else dict(fs_root_dir=str(tmp_path / "kv"),
-                                            fs_bytes_to_use=64 << 20)
+    disk = {} if tmp_path is None else dict(storage_tier="filesystem",
+                                            storage_options={"root_dir": str(tmp_path / "kv"),
+                                                             "bytes_to_use": 64 << 20})
     worker = OffloadWorker(OffloadConfig(cpu_bytes_to_use=1 << 20, **disk, **options), rank,
                            "test-model")
     worker.register(engine.caches, engine.groups, NUM_BLOCKS)

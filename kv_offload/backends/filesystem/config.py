@@ -15,10 +15,11 @@ from kv_offload.errors import ConfigError
 class FilesystemTierConfig:
     """Settings of a filesystem tier.
 
-    ``root_dir`` and ``bytes_to_use`` are ``fs_root_dir`` and ``fs_bytes_to_use`` of the
-    connector config, or options of ``storage_tier: "filesystem"`` (every field but the
-    fingerprint is one). ``layout_fingerprint`` names the page layout of the model: files
-    written under another fingerprint are never served. ``bytes_to_use`` bounds every file
+    Every field but the fingerprint and the codec is an option of ``storage_tier:
+    "filesystem"`` (``storage_options``; the old connector keys ``fs_root_dir``,
+    ``fs_bytes_to_use`` and ``fs_fsync`` map to ``root_dir``, ``bytes_to_use``, ``fsync``).
+    ``layout_fingerprint`` names the page layout of the model: files written under another
+    fingerprint are never served. ``bytes_to_use`` bounds every file
     under ``root_dir``, other layout directories included (see ``root_budget``).
     """
 
@@ -43,7 +44,7 @@ class FilesystemTierConfig:
         if isinstance(self.root_dir, os.PathLike):
             object.__setattr__(self, "root_dir", os.fspath(self.root_dir))
         if not isinstance(self.root_dir, str) or not self.root_dir:
-            raise ConfigError(f"fs_root_dir must be a non-empty path, got {self.root_dir!r}")
+            raise ConfigError(f"root_dir must be a non-empty path, got {self.root_dir!r}")
         if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
             raise ConfigError(
                 f"layout_fingerprint must be a non-empty str, got {self.layout_fingerprint!r}"
@@ -51,8 +52,7 @@ class FilesystemTierConfig:
         for name in ("bytes_to_use", "io_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                label = "fs_bytes_to_use" if name == "bytes_to_use" else name
-                raise ConfigError(f"{label} must be a positive int, got {value!r}")
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if (
             not isinstance(self.heartbeat_timeout_s, (int, float))
             or isinstance(self.heartbeat_timeout_s, bool)

@@ -55,7 +55,7 @@ def prepare_layout_dir(root_dir: str, fingerprint: str, host: str,
     root = os.path.abspath(root_dir)
     if os.path.exists(root) and not os.path.isdir(root):
         raise TierRootError(
-            errno.ENOTDIR, f"fs_root_dir {root!r} is not a directory; expected a directory"
+            errno.ENOTDIR, f"root_dir {root!r} is not a directory; expected a directory"
         )
     layout_dir = os.path.join(root, layout_dir_name(fingerprint, codec))
     try:
@@ -66,7 +66,7 @@ def prepare_layout_dir(root_dir: str, fingerprint: str, host: str,
     except OSError as e:
         raise TierRootError(
             e.errno,
-            f"fs_root_dir {root!r} is not usable: {e.strerror or e} ({e.filename or layout_dir}); "
+            f"root_dir {root!r} is not usable: {e.strerror or e} ({e.filename or layout_dir}); "
             f"expected a directory where this process can create and write files",
         ) from e
     return layout_dir, direct
