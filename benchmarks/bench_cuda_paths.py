@@ -18,7 +18,7 @@ the load): a path that moves different bytes is reported, never timed silently.
     python benchmarks/bench_cuda_paths.py --json bench-cuda-paths.json
     python benchmarks/bench_cuda_paths.py --host  # the same code on the tests' host executor
 
-`--host` runs every step without a GPU (tests/unit/host_cuda.py stands in for CUDA):
+`--host` runs every step without a GPU (tests/helpers/host_cuda.py stands in for CUDA):
 it checks the script, its numbers mean nothing.
 """
 
@@ -74,8 +74,8 @@ class Rig:
     def __init__(self, host: bool) -> None:
         self.host = host
         if host:
-            sys.path.insert(0, str(FilePath(__file__).resolve().parent.parent / "tests/unit"))
-            from host_cuda import HostCudaRuntime
+            sys.path.insert(0, str(FilePath(__file__).resolve().parent.parent / "tests"))
+            from helpers.host_cuda import HostCudaRuntime
 
             self.runtime = HostCudaRuntime()
             self.device = "cpu"

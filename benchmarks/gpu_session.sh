@@ -30,12 +30,12 @@ print('a cudaHostRegister-ed tensor: torch is_pinned()', pool.is_pinned(), '; th
       cupy.cuda.runtime.pointerGetAttributes(pool.data_ptr()).type, '(1: page-locked host)')"
 
 step "tests that need a GPU"
-timeout 300 "${PYTEST[@]}" tests/unit/test_gpu_device.py \
-    "tests/unit/test_kernels_cuda.py::test_gpu_round_trip_matches_cpu_reference" \
-    "tests/unit/test_kernels_cuda.py::test_backend_on_gpu_pins_and_round_trips" \
-    "tests/unit/test_cpu_backend.py::test_pool_is_pinned_with_cuda" \
-    "tests/unit/test_cpu_backend.py::test_budget_sizes_the_pool" \
-    tests/unit/test_cuda_paths.py 2>&1 | tee "$OUT/tests.log" | tail -25
+timeout 300 "${PYTEST[@]}" tests/unit/kernels/test_gpu_device.py \
+    "tests/unit/kernels/test_cuda.py::test_gpu_round_trip_matches_cpu_reference" \
+    "tests/unit/kernels/test_cuda.py::test_backend_on_gpu_pins_and_round_trips" \
+    "tests/unit/store/host/test_cpu_backend.py::test_pool_is_pinned_with_cuda" \
+    "tests/unit/store/host/test_cpu_backend.py::test_budget_sizes_the_pool" \
+    tests/unit/kernels/test_cuda_paths.py 2>&1 | tee "$OUT/tests.log" | tail -25
 
 planted() {  # $1: what is planted, $2: python that plants it, $3: pytest -k
     step "planted bug: $1 (these tests must FAIL)"
@@ -43,7 +43,7 @@ planted() {  # $1: what is planted, $2: python that plants it, $3: pytest -k
 import sys
 import pytest
 $2
-code = pytest.main(["-q", "-p", "no:cacheprovider", "tests/unit/test_gpu_device.py",
+code = pytest.main(["-q", "-p", "no:cacheprovider", "tests/unit/kernels/test_gpu_device.py",
                     "-k", sys.argv[1]])
 print("PLANTED BUG RESULT:", "tests failed, as they must" if code == 1 else f"exit {code}: NOT caught")
 EOF

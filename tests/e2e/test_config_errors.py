@@ -6,7 +6,7 @@ vLLM CPU has no hook earlier than the engine core's layout question
 (`get_required_kvcache_layout`, after the weights load); on CUDA with CUDA graphs the same
 check runs in the front-end process while vLLM builds its config, before any engine
 process starts (`requires_piecewise_for_cudagraph`; unit-tested in
-`tests/unit/test_vllm_connector_checks.py`, not run here: no GPU).
+`tests/unit/vllm/test_connector_checks.py`, not run here: no GPU).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ between rounds, so blocks we store are freed and handed out again while stores m
 With a drafter, vLLM builds the worker's report before it hands the connector the step's
 stores (`wait_for_save` deferred past the drafter); a report claiming those stores copied
 out would let the next forward overwrite blocks still being stored. The unit tests drive the
-worker in every call order (`tests/unit/test_vllm_call_orders.py`); this test shows the
+worker in every call order (`tests/unit/vllm/worker/test_call_orders.py`); this test shows the
 engine with a drafter generating exactly what it generates without the connector, with the
 prompts served from our tiers.
 """

@@ -4,22 +4,13 @@ The Valkey/Redis server is Debian's ``redis-server`` (or a ``valkey-server``) in
 README's test command; the S3 endpoint is moto's server from the ``dev`` extra. Each runs in
 a child process on a free 127.0.0.1 port. Session-wide servers serve tests that only need a
 server (each test uses its own key prefix or bucket); tests that kill, restart or pause a
-server get their own.
+server get their own. Helpers that are not fixtures (`unique_name`, `make_bucket`,
+`shared_tier_options`) are in tests/helpers/servers.py.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-
 import pytest
-
-_names = itertools.count()
-
-
-def unique_name(stem: str) -> str:
-    """A bucket or key prefix no other test in this session uses."""
-    return f"{stem}-{os.getpid()}-{next(_names)}"
 
 
 def _local_valkey(**kw):
@@ -83,28 +74,6 @@ def own_s3_server(s3_credentials):
     server = _local_s3()
     yield server
     server.stop()
-
-
-def make_bucket(endpoint_url: str) -> str:
-    import boto3
-
-    name = unique_name("kv-test")
-    boto3.client("s3", endpoint_url=endpoint_url).create_bucket(Bucket=name)
-    return name
-
-
-def shared_tier_options(backend: str, request: pytest.FixtureRequest, stem: str) -> dict:
-    """`storage_options` of a fresh namespace on this session's loopback server of
-    `backend` ("valkey": a key prefix; "s3": a new bucket), background listing off."""
-    if backend == "valkey":
-        pytest.importorskip("redis")
-        server = request.getfixturevalue("valkey_server")
-        return {"url": server.url, "key_prefix": unique_name(stem) + ":",
-                "refresh_interval_s": 0}
-    pytest.importorskip("boto3")
-    server = request.getfixturevalue("s3_server")
-    return {"bucket": make_bucket(server.endpoint_url), "bytes_to_use": "64MiB",
-            "endpoint_url": server.endpoint_url, "refresh_interval_s": 0}
 
 
 @pytest.fixture

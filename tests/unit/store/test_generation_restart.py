@@ -1,0 +1,129 @@
+"""A connector reset survives a restart: the new key generation is kept in the storage tier,
+and an engine that starts later (a new TieredStore over the same directory or server) never
+serves what was stored before the reset."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kv_offload.backends.base import StorageTier
+from kv_offload.backends.common.sealing import Authenticated
+from kv_offload.backends.example import DictTier
+from kv_offload.config import parse_config
+from kv_offload.store.generations import GENERATION_KEY, generation_record
+from kv_offload.store.key_view import FIRST_GENERATION
+from kv_offload.store.tiered import TieredStore, layout_fingerprint
+from kv_offload.types import Location
+
+from helpers.servers import shared_tier_options
+from unit.store.test_tiering import block_bytes, h, hybrid, wait_for_storage
+
+
+def config_for(request, tmp_path, backend: str, **extra):
+    if backend == "filesystem":
+        return parse_config({"cpu_bytes_to_use": "8MiB", "storage_tier": "filesystem",
+                             "storage_options": {"root_dir": str(tmp_path / "root"),
+                                                 "bytes_to_use": "64MiB"}, **extra})
+    options = shared_tier_options(backend, request, "gen")
+    return parse_config({"cpu_bytes_to_use": "8MiB", "storage_tier": backend,
+                         "storage_options": options, **extra})
+
+
+def secret(tmp_path) -> str:
+    path = tmp_path / "secret"
+    path.write_bytes(b"generation test secret 0123456789")
+    path.chmod(0o600)
+    return str(path)
+
+
+def store_and_close(canonical, config, fingerprint, blocks):
+    store = TieredStore.from_config(canonical, config, fingerprint)
+    [stored] = store.wait([store.submit_store({0: ([h(b) for b in blocks], blocks)})])
+    assert stored.success and store.flush()
+    return store
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["no-secret", "secret"])
+@pytest.mark.parametrize("backend", ["filesystem", "valkey", "s3"])
+def test_keys_stored_before_a_reset_are_not_served_after_a_restart(request, tmp_path,
+                                                                   backend, keyed):
+    buffer, canonical = hybrid()
+    extra = {"secret_file": secret(tmp_path)} if keyed else {}
+    config = config_for(request, tmp_path, backend, **extra)
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    before = store_and_close(canonical, config, fingerprint, [1, 2])
+    before.reset()
+    [stored] = before.wait([before.submit_store({0: ([h(3)], [3])})])  # after the reset
+    assert stored.success and before.flush()
+    expected = block_bytes(canonical, 0, 3)
+    before.close()
+
+    restarted = TieredStore.from_config(canonical, config, fingerprint)  # a new engine
+    wait_for_storage(restarted, [(h(3), 0)])  # the post-reset key is there: it serves...
+    buffer.zero_()
+    [loaded] = restarted.wait([restarted.submit_load({0: ([h(3)], [5])})])
+    assert loaded.success and torch.equal(block_bytes(canonical, 0, 5), expected)
+    for _ in range(50):  # ...and the pre-reset keys never show up
+        restarted.poll()
+    assert restarted.lookup([(h(1), 0), (h(2), 0)]) == [Location.ABSENT] * 2
+    restarted.close()
+
+
+def test_an_engine_that_never_reset_starts_in_the_first_generation_and_shares_keys(tmp_path):
+    buffer, canonical = hybrid()
+    config = config_for(None, tmp_path, "filesystem")
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    store_and_close(canonical, config, fingerprint, [1]).close()
+    again = TieredStore.from_config(canonical, config, fingerprint)
+    assert again.generation == FIRST_GENERATION
+    wait_for_storage(again, [(h(1), 0)])
+    again.close()
+
+
+def test_a_generation_record_forged_without_the_secret_starts_a_fresh_generation(tmp_path):
+    """A writer without the secret cannot pick the generation (e.g. set it back to the first
+    one to bring pre-reset keys back): its record does not verify, the engine starts a fresh
+    generation (a cold cache) and writes it back."""
+    buffer, canonical = hybrid()
+    config = config_for(None, tmp_path, "filesystem", secret_file=secret(tmp_path))
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    first = store_and_close(canonical, config, fingerprint, [1])
+    first.reset()
+    first.storage.write_generation(generation_record(FIRST_GENERATION, Authenticated(
+        b"not the fleet's secret at all!"), fingerprint))
+    first.close()
+    restarted = TieredStore.from_config(canonical, config, fingerprint)
+    assert restarted.generation != FIRST_GENERATION
+    for _ in range(50):
+        restarted.poll()
+    assert restarted.lookup([(h(1), 0)]) == [Location.ABSENT]
+    restarted.close()
+
+
+class ForgetfulTier(DictTier):
+    """A plug-in that keeps no generation record (the base class's hooks)."""
+
+    read_generation = StorageTier.read_generation
+    write_generation = StorageTier.write_generation
+
+
+def test_a_tier_without_a_generation_record_warns_on_reset(caplog):
+    _, canonical = hybrid()
+    store = TieredStore(canonical, 1 << 20, storage=ForgetfulTier())
+    with caplog.at_level(logging.WARNING, logger="kv_offload"):
+        store.reset()
+    assert any("keys stored before this reset may be served again" in r.getMessage()
+               for r in caplog.records)
+    store.close()
+
+
+def test_the_example_plug_in_keeps_the_generation_for_its_own_lifetime():
+    _, canonical = hybrid()
+    tier = DictTier()
+    store = TieredStore(canonical, 1 << 20, storage=tier)
+    store.reset()
+    assert GENERATION_KEY.hex() in tier.read_generation().decode("latin-1")
+    assert TieredStore(canonical, 1 << 20, storage=tier).generation == store.generation
