@@ -19,9 +19,9 @@ pieces in its own package and registers them with `register_kv_cache_spec` and
   `uniform_key`);
 - the vLLM translation: `kv_offload/vllm/spec_translation.py` (vLLM's spec class name -> ours,
   or a translator for fields that differ; anything unmodelled stays refused);
-- the tests: `tests/unit/test_specs.py`, `tests/unit/test_registry.py`,
+- the tests: `tests/unit/core/test_specs.py`, `tests/unit/core/test_registry.py`,
   `tests/hybrid/hit_reference.py` (an independent reference of the hit semantics) with
-  `tests/hybrid/test_hits.py`, `tests/unit/test_vllm_spec_translation.py`, and an example
+  `tests/hybrid/test_hits.py`, `tests/unit/vllm/test_spec_translation.py`, and an example
   model in `kv_offload/testing/example_models.py` (canonicalised and copied by the kernel
   tests and `kv-offload inspect`).
 """

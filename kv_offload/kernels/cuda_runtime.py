@@ -4,7 +4,7 @@ cuda-python for the batched memcpy (`cuda_batch.py`).
 
 Imported only when engine memory is on a GPU: cupy is optional (`kv_offload[cuda]`).
 Verified on the host through the same copier code driven by a host executor
-(tests/unit/host_cuda.py), and on an NVIDIA H200 (tests/unit/test_gpu_device.py,
+(tests/helpers/host_cuda.py), and on an NVIDIA H200 (tests/unit/kernels/test_gpu_device.py,
 benchmarks/gpu_session.sh).
 """
 

@@ -9,9 +9,9 @@ Contents:
 Why not a ``ThreadPoolExecutor`` (issue 25): each of its tasks is a ``Future`` (with a
 ``Condition``, its ``RLock``, bound methods and a waiters list) and a ``_WorkItem``: ~12
 objects the garbage collector tracks, for a result nobody reads (a queued S3 write held 18
-with the tier's own, 6 here: `tests/unit/test_s3_write_queue_garbage.py`). A tier queues one task
-per block, and when the store is slower than the engine's stores (an S3 endpoint, moto
-here) thousands wait for seconds: in `bench_step_cost.py --tier s3`, 5k to 11k queued
+with the tier's own, 6 here: `tests/unit/backends/s3/test_write_queue_garbage.py`). A tier
+queues one task per block, and when the store is slower than the engine's stores (an S3
+endpoint, moto here) thousands wait for seconds: in `bench_step_cost.py --tier s3`, 5k to 11k queued
 writes were 100k to 220k tracked objects, promoted into the old generation (they live long)
 and walked by every full collection, i.e. most of each full collection's pause in the
 engine's process. Here a task is one tuple (the function and its arguments) in a

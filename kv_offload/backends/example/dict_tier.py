@@ -2,8 +2,9 @@
 
 It exists to show how small a tier can be: the five methods of ``StorageTier``, the shared
 argument checks, and per-key success reporting. It passes the same contract suite as the
-built-in tiers (tests/unit/test_tier_suite.py). Jobs complete synchronously; results wait for
-``poll``. Choose it with ``"storage_tier": "kv_offload.backends.example:DictTier"`` and
+built-in tiers (tests/unit/backends/test_tier_suite.py). Jobs complete synchronously;
+results wait for ``poll``. Choose it with
+``"storage_tier": "kv_offload.backends.example:DictTier"`` and
 ``"storage_options": {"max_bytes": ...}``: the options are the constructor's keyword
 arguments (``StorageTier.from_options``' default, which also wraps it in a
 ``NamespacedTier`` so that two models sharing it never mix), checked at start-up.

@@ -44,7 +44,7 @@ while the next one was parsed): at ten pages a second, a full collection every ~
 `benchmarks/bench_step_cost.py --tier s3`. A request of ``700 // 14 = 50`` objects never
 allocates past the threshold on its own, and each reply is reduced to bytes and numbers
 (untracked) before the next request: ~0.03 objects promoted per object listed
-(`tests/unit/test_s3_listing_garbage.py`, `benchmarks/bench_s3_gc.py`). The price: 20
+(`tests/unit/backends/s3/test_listing_garbage.py`, `benchmarks/bench_s3_gc.py`). The price: 20
 requests per page instead of one (more round trips and ~1.5x the client's CPU per page).
 The whole listing (``full``: the tier's start-up, before the engine serves and before vLLM
 freezes its start-up heap) keeps requests of 1000: its round trips are start-up time.

@@ -8,7 +8,7 @@ every layer of the group (in the group's layer order), that head's `[tokens, K|V
 token-major. The unit does not depend on the TP size, the rank, the engine's page layout
 (LBNHC or LBHNC) or its kernel block size; `kv_offload.store.tp.pages` maps a rank's engine pages to
 units and back (pure functions, proven by property tests against engines allocated per rank
-as vLLM 0.32 allocates them: `tests/unit/test_tp_pages_property.py`).
+as vLLM 0.32 allocates them: `tests/unit/store/tp/test_pages_property.py`).
 
 **vLLM's sharding rule** (0.32: `QKVParallelLinear.__init__` in `model_executor/layers/
 linear.py`, the per-model attention classes, `ModelConfig.get_num_kv_heads`). With H KV heads
