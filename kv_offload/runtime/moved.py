@@ -61,6 +61,24 @@ MOVED: dict[str, str] = {  # old module -> its new home
     "kv_offload.backends.filesystem.listing": "kv_offload.backends.common.listing",
     "kv_offload.backends.filesystem.lru": "kv_offload.backends.common.lru",
     "kv_offload.backends.filesystem.pacing": "kv_offload.backends.common.pacing",
+    # the connector's own modules (only kv_offload.vllm is configured; these for plug-ins'
+    # and scripts' imports)
+    "kv_offload.vllm.scheduler_side": "kv_offload.vllm.scheduler.offload_scheduler",
+    "kv_offload.vllm.scheduler_recovery": "kv_offload.vllm.scheduler.offload_scheduler",
+    "kv_offload.vllm.block_tables": "kv_offload.vllm.scheduler.block_tables",
+    "kv_offload.vllm.in_step_loads": "kv_offload.vllm.scheduler.in_step_loads",
+    "kv_offload.vllm.kv_events": "kv_offload.vllm.scheduler.kv_events",
+    "kv_offload.vllm.mamba_states": "kv_offload.vllm.scheduler.mamba_states",
+    "kv_offload.vllm.rank_keys": "kv_offload.vllm.scheduler.rank_keys",
+    "kv_offload.vllm.report_lag": "kv_offload.vllm.scheduler.report_lag",
+    "kv_offload.vllm.store_fence": "kv_offload.vllm.scheduler.store_fence",
+    "kv_offload.vllm.worker_side": "kv_offload.vllm.worker.offload_worker",
+    "kv_offload.vllm.worker_in_step": "kv_offload.vllm.worker.offload_worker",
+    "kv_offload.vllm.worker_lifecycle": "kv_offload.vllm.worker.offload_worker",
+    "kv_offload.vllm.worker_jobs": "kv_offload.vllm.worker.jobs",
+    "kv_offload.vllm.worker_layers": "kv_offload.vllm.worker.layers",
+    "kv_offload.vllm.exit_hook": "kv_offload.vllm.worker.exit_hook",
+    "kv_offload.vllm.pump": "kv_offload.vllm.worker.pump",
 }
 # Names that changed with their module (old name -> new), answered through the old paths.
 RENAMED: dict[str, str] = {
