@@ -94,9 +94,6 @@ class TieredStore:
         self.tiers = tiers = Tiers(cpu, OffloadManager(cpu.num_slots, eviction_policy),
                                    storage, FaultLog("kv-offload tiers"),
                                    KeyView(report_storage_copies=report_storage_copies))
-        # (the tiers' parts, by the names callers and the metrics read them by)
-        self.cpu, self.manager, self.storage = cpu, tiers.manager, storage
-        self.faults, self.view = tiers.faults, tiers.view
         self.eviction_policy = eviction_policy
         self.book = JobBook(cpu)
         self.stores = StorePipeline(tiers, self.book, stage_timeout_s=store_stage_timeout_s)
@@ -112,6 +109,34 @@ class TieredStore:
             # (unreadable or not verifiable: never pre-reset keys, start a new one)
             tiers.generation = new_generation() if stored is None else stored
         self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
+
+    # The tiers' parts, by the names callers and the metrics read them by (one source of
+    # truth: the parts read `Tiers`, so a storage tier plugged in here reaches them too).
+    @property
+    def cpu(self) -> HostTier:
+        return self.tiers.cpu
+
+    @property
+    def manager(self) -> OffloadManager:
+        return self.tiers.manager
+
+    @property
+    def storage(self) -> StorageTier | None:
+        return self.tiers.storage
+
+    @storage.setter
+    def storage(self, tier: StorageTier | None) -> None:
+        """Plug a storage tier into a store that has none yet (tools, benchmarks): under
+        the caller's lock, before any job."""
+        self.tiers.storage = tier
+
+    @property
+    def view(self) -> KeyView:
+        return self.tiers.view
+
+    @property
+    def faults(self) -> FaultLog:
+        return self.tiers.faults
 
     @property
     def read_rate(self) -> ReadRate:
