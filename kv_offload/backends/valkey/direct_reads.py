@@ -45,6 +45,10 @@ except ImportError:  # pragma: no cover - a redis-py that moved it
 
 CRLF = b"\r\n"
 SCRATCH_BYTES = 64 << 10  # headers and small replies; a bulk value bypasses it
+# The longest error text read (a RESP3 blob error): a length read from the wire is bounded by
+# what that reply may be before anything is allocated for it (a server announcing 1 GiB for
+# an error reply must not grow the engine by 1 GiB).
+MAX_ERROR_BYTES = SCRATCH_BYTES
 # Replies that redis-py's cluster client must handle (MovedError is an AskError).
 REDIRECTIONS = (AskError, TryAgainError, ClusterDownError)
 
@@ -132,7 +136,11 @@ class _Replies:
         if line[:1] == b"-":
             return _parse_error(line[1:].decode("utf-8", "replace"))
         if line[:1] == b"!":
-            text = bytearray(_number(line))
+            n = _number(line)
+            if not 0 <= n <= MAX_ERROR_BYTES:
+                raise ProtocolError(f"an error reply of {n} bytes (at most {MAX_ERROR_BYTES} "
+                                    f"are read)")
+            text = bytearray(n)
             self.into(memoryview(text))
             self.crlf()
             return _parse_error(text.decode("utf-8", "replace"))
@@ -146,7 +154,10 @@ class _Replies:
         if error is not None:
             return error
         if line[:1] == b":":
-            return _number(line)
+            n = _number(line)
+            if n < 0:  # (STRLEN is a length)
+                raise ProtocolError(f"a negative length {n} in an integer reply")
+            return n
         raise ProtocolError(f"expected an integer reply, got {line[:16]!r}")
 
     def sized_bulk(self, item: ReadItem, held: int | Exception) -> bytes | InPlace | Exception:
@@ -162,8 +173,9 @@ class _Replies:
         n = _number(line)
         if n > item.expected:  # (GETRANGE never sends more: a server that does is not trusted)
             raise ProtocolError(f"{n} bytes sent for a range of {item.expected}")
-        if n < 0:
-            return b""
+        if n < 0:  # (a RESP2 null: GETRANGE answers a missing key with "", never null; read
+            # as empty it would condemn (delete) the good record STRLEN just measured)
+            raise ProtocolError(f"a null bulk reply ({n}) to GETRANGE")
         if n == item.expected == held:
             head = bytearray(item.offset)
             self.into(memoryview(head))

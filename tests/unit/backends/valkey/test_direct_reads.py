@@ -25,6 +25,7 @@ from kv_offload.backends.common.deadline import DeadlineSocket  # noqa: E402 (af
 from kv_offload.backends.valkey import ValkeyTier  # noqa: E402
 from kv_offload.backends.valkey.direct_reads import (  # noqa: E402
     InPlace,
+    ProtocolError,
     ReadItem,
     Unparsed,
     read_sized,
@@ -107,9 +108,11 @@ def test_a_read_redirected_by_moved_is_served_through_the_cluster_client():
 class _Wire:
     """A redis-py connection stand-in whose server's replies are given bytes."""
 
-    def __init__(self, replies: bytes) -> None:
+    def __init__(self, replies: bytes, *, hang_up: bool = False) -> None:
         self._sock, self._peer = socket.socketpair()
         self._peer.sendall(replies)
+        if hang_up:  # (the server closes after these bytes: a read past them ends, not hangs)
+            self._peer.close()
 
     def pack_commands(self, commands):
         return commands
@@ -160,3 +163,29 @@ def test_a_reply_these_commands_never_give_drops_the_connection(replies):
     # the tier treats as the server failing: the connection is closed, the keys are misses)
     with pytest.raises(redis.ConnectionError):
         read_sized(_Wire(replies), [_item(b"a", b"HEAD", 8)])
+
+
+@pytest.mark.parametrize("replies", [b":3\r\n!-5\r\n", b":-12\r\n$12\r\n",
+                                     b":12\r\n$-1\r\n"])
+def test_a_negative_length_is_a_protocol_error_never_an_empty_value(replies):
+    """A negative error length, STRLEN or GETRANGE length: the server is not trusted. A
+    RESP2 null read as an empty value would condemn (delete) the record STRLEN measured."""
+    with pytest.raises(ProtocolError, match="negative|null|error reply of"):
+        read_sized(_Wire(replies, hang_up=True), [_item(b"a", b"HEAD", 8)])
+
+
+def test_an_error_reply_announcing_a_huge_length_allocates_nothing_for_it():
+    """A 16-byte reply announcing a 256 MiB error: refused before anything is allocated
+    (before: the reader allocated what the server announced, then waited for it; four such
+    connections could get the worker killed)."""
+    import tracemalloc
+
+    wire = _Wire(b":3\r\n!268435456\r\nNOPERM\r\n", hang_up=True)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="error reply of 268435456 bytes"):
+            read_sized(wire, [_item(b"a", b"HEAD", 8)])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
