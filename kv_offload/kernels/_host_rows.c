@@ -1,17 +1,19 @@
 /* Row copies between host tensors, compiled: the CPU copier's one loop (kernels/cpu.py),
  * and the stable order of row ids that plans them (kernels/plan.py).
  *
- * copy_rows(dst, dst_stride, dst_part_stride, dst_ids, dst_start,
- *           src, src_stride, src_part_stride, src_ids, src_start,
+ * copy_rows(dst, dst_stride, dst_part_stride, dst_ids, dst_start, dst_rows,
+ *           src, src_stride, src_part_stride, src_ids, src_start, src_rows,
  *           count, parts, part_bytes, streaming)
  *
  * Row i of the copy is `parts` runs of `part_bytes` contiguous bytes (a segment's refs:
  * kernels/geometry.py). Part p of row i moves from `src + s * src_stride + p *
  * src_part_stride` to `dst + d * dst_stride + p * dst_part_stride`, where s is src_ids[i]
  * (the address of an int64 array) or, with src_ids 0, src_start + i; d likewise.
- * Addresses and strides are in bytes. The caller
- * (kernels/cpu.py) owns every check: ids in range, rows contiguous, buffers alive; this
- * file only moves bytes. The GIL is released for the loop, so the copier's threads run
+ * Addresses and strides are in bytes. The caller (kernels/cpu.py) owns the checks of the
+ * views (rows contiguous, buffers alive); this file still checks every row index against
+ * its side's `rows` before it copies that row (two compares a row), so a planning bug is
+ * an IndexError naming the row, never a write outside a buffer. Rows before the bad one
+ * are copied: the caller fails the whole job. The GIL is released for the loop, so the copier's threads run
  * their shares at once.
  *
  * Why compiled: numpy's fancy assignment and torch's index_select move one 2 KiB page at
@@ -63,12 +65,14 @@ static void copy_part(char *dst, const char *src, size_t nbytes, int streaming) 
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long dst, dst_ids, src, src_ids;
-    long long dst_stride, dst_part_stride, dst_start, src_stride, src_part_stride, src_start;
+    long long dst_stride, dst_part_stride, dst_start, dst_rows;
+    long long src_stride, src_part_stride, src_start, src_rows;
     long long count, parts, part_bytes;
     int streaming;
-    if (!PyArg_ParseTuple(args, "KLLKLKLLKLLLLp", &dst, &dst_stride, &dst_part_stride,
-                          &dst_ids, &dst_start, &src, &src_stride, &src_part_stride,
-                          &src_ids, &src_start, &count, &parts, &part_bytes, &streaming))
+    if (!PyArg_ParseTuple(args, "KLLKLLKLLKLLLLLp", &dst, &dst_stride, &dst_part_stride,
+                          &dst_ids, &dst_start, &dst_rows, &src, &src_stride,
+                          &src_part_stride, &src_ids, &src_start, &src_rows, &count, &parts,
+                          &part_bytes, &streaming))
         return NULL;
     if (count < 0 || parts < 0 || part_bytes < 0) {
         PyErr_Format(PyExc_ValueError, "copy_rows: count %lld, parts %lld and part_bytes "
@@ -80,16 +84,23 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     char *dbase = (char *)(uintptr_t)dst;
     const char *sbase = (const char *)(uintptr_t)src;
     long long ahead_bytes = part_bytes < PREFETCH_BYTES ? part_bytes : PREFETCH_BYTES;
+    long long bad = -1, bad_d = 0, bad_s = 0; /* the first row out of range, if any */
     Py_BEGIN_ALLOW_THREADS
     for (long long i = 0; i < count; i++) {
         if (i + AHEAD < count) {
             long long s = sids ? sids[i + AHEAD] : src_start + i + AHEAD;
-            for (long long p = 0; p < parts; p++)
-                for (long long b = 0; b < ahead_bytes; b += 64)
-                    __builtin_prefetch(sbase + s * src_stride + p * src_part_stride + b, 0, 3);
+            if (s >= 0 && s < src_rows) /* (a bad one is reported when its row comes) */
+                for (long long p = 0; p < parts; p++)
+                    for (long long b = 0; b < ahead_bytes; b += 64)
+                        __builtin_prefetch(sbase + s * src_stride + p * src_part_stride + b,
+                                           0, 3);
         }
         long long d = dids ? dids[i] : dst_start + i;
         long long s = sids ? sids[i] : src_start + i;
+        if (d < 0 || d >= dst_rows || s < 0 || s >= src_rows) {
+            bad = i, bad_d = d, bad_s = s;
+            break;
+        }
         char *drow = dbase + d * dst_stride;
         const char *srow = sbase + s * src_stride;
         for (long long p = 0; p < parts; p++)
@@ -101,6 +112,12 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
         _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "copy_rows: row %lld of %lld copies destination row "
+                     "%lld (of %lld) from source row %lld (of %lld): out of range", bad, count,
+                     bad_d, dst_rows, bad_s, src_rows);
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 

@@ -344,7 +344,7 @@ def _loop_rows(op: Op) -> None:
             arrays.append(np.ascontiguousarray(ids, dtype=np.int64))
             address, start = arrays[-1].ctypes.data, 0
         sides.append((view.data_ptr(), view.stride(0) * size, view.stride(1) * size, address,
-                      start))
+                      start, view.shape[0]))  # (rows: the loop checks every index)
     HOST_ROWS.copy_rows(*sides[0], *sides[1], op.count, op.src_view.shape[1],
                         op.src_view.shape[2] * size, op.streaming)
 

@@ -5,6 +5,7 @@ by the cost rule for scattered pairs, and absent without harm (numpy and torch t
 from __future__ import annotations
 
 import platform
+import re
 
 import numpy as np
 import pytest
@@ -68,6 +69,26 @@ def test_the_loop_moves_any_rows_as_numpy_indexing_does(data, streaming, parts, 
     _loop_rows(Op("rows", src[:, :, :part_bytes], dst[:, :, :part_bytes], src_side, dst_side,
                   count, streaming))
     assert np.array_equal(dst_buf.numpy(), expected)  # (and nothing outside the rows)
+
+
+@pytest.mark.parametrize("src_side, dst_side, bad", [
+    (np.array([0, 1, 4]), np.array([2, 1, 0]), "source row 4 (of 4)"),  # past the end
+    (np.array([0, 1, 2]), np.array([2, -1, 0]), "destination row -1 (of 3)"),  # negative
+    (2, np.array([0, 1, 2]), "source row 4 (of 4)"),  # a stretch running off the end
+    (np.array([3, 2, 1]), 1, "destination row 3 (of 3)"),
+])
+def test_an_index_out_of_its_array_is_an_error_never_a_write_outside_the_buffer(
+        src_side, dst_side, bad):
+    """Issue 45: the loop checks each row index against its side's rows (a planning bug is
+    an IndexError naming the row); rows before the bad one are copied, nothing else is
+    touched (the buffers extend past the views: guard bytes)."""
+    src_buf = torch.arange(6 * 16, dtype=torch.int32).to(torch.int8)
+    dst_buf = torch.full((5 * 16,), -1, dtype=torch.int8)
+    src = src_buf[:4 * 16].view(4, 1, 16)  # 4 rows; 2 more rows of the buffer are not its
+    dst = dst_buf[:3 * 16].view(3, 1, 16)  # 3 rows; 2 guard rows after it
+    with pytest.raises(IndexError, match=rf"row \d of 3 copies .*{re.escape(bad)}"):
+        _loop_rows(Op("rows", src, dst, src_side, dst_side, 3, False))
+    assert (dst_buf[3 * 16:] == -1).all()  # the guard rows: untouched
 
 
 def test_the_cost_rule_picks_the_loop_for_scattered_pairs_and_copy_for_runs():
