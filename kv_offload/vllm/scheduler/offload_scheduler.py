@@ -434,7 +434,9 @@ class OffloadScheduler:
                 state.stores_off = True
                 state.loading = False  # it runs: vLLM saw its load end
         # (in-step loads still run: their requests run now; a failure is reported by block)
-        plan, self._plan = self._plan, StepPlan()
+        # (the hits' keys to protect are not lost with this step's plans: they go with the next)
+        plan = self._plan
+        self._plan = StepPlan(protect=plan.protect)
         failed = [*(r for r in plan.loads if r not in plan.in_step), *plan.failed_loads]
         for request_id in failed:
             state = self._requests.get(request_id)

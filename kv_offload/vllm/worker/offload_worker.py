@@ -262,6 +262,7 @@ class OffloadWorker:
                            f"{self.copy_timeout_s} s; recomputed")
         for job_id in late:
             job = self._jobs.pop(job_id)
+            self.reports.fail_blocks(job.block_ids)  # (first: abandoning may fail)
             self._loads_in_flight -= 1
             self.store.abandon_load(job_id)
             self.reports.give_up(job_id, job)
