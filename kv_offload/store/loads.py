@@ -47,7 +47,6 @@ from kv_offload.store.jobs import (
     targets_of,
     transfers,
 )
-from kv_offload.store.key_view import storage_key
 from kv_offload.store.manager import SlotState
 from kv_offload.store.shared import JobBook, Tiers
 from kv_offload.store.stores import StorePipeline
@@ -223,12 +222,9 @@ class LoadPipeline:
 
     def _submit_read(self, load: Load, keys, slots) -> None:
         tiers = self._tiers
-        generation = tiers.generation
-        read = Read(load, tuple(keys), generation, time.monotonic())
+        read = Read(load, tuple(keys), tiers.generation, time.monotonic())
         try:
-            buffers = [tiers.cpu.slot_buffer(slot, key[1]) for key, slot in zip(keys, slots)]
-            job = tiers.storage.submit_read([storage_key(k, generation) for k in keys],
-                                            buffers)
+            job = tiers.read_into_slots(keys, slots)
         except Exception as exc:
             tiers.faults.failed("storage read", exc)
             tiers.manager.complete_store(list(keys), False)

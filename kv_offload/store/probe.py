@@ -30,7 +30,6 @@ from collections.abc import Sequence
 
 from kv_offload.config import OffloadConfig
 from kv_offload.store.jobs import Probe
-from kv_offload.store.key_view import storage_key
 from kv_offload.store.loads import LoadPipeline
 from kv_offload.store.manager import SlotState
 from kv_offload.store.shared import JobBook, Tiers
@@ -87,13 +86,9 @@ class ReadProbe:
         plan = manager.prepare_store(keys) if keys else None
         if plan is None or not plan.keys:  # nothing to probe yet: asked again later
             return
-        generation = tiers.generation
-        probe = Probe(plan.keys, generation, now)
+        probe = Probe(plan.keys, tiers.generation, now)
         try:
-            buffers = [tiers.cpu.slot_buffer(slot, key[1])
-                       for key, slot in zip(plan.keys, plan.slots)]
-            job = tiers.storage.submit_read([storage_key(k, generation) for k in plan.keys],
-                                            buffers)
+            job = tiers.read_into_slots(plan.keys, plan.slots)
         except Exception:
             manager.complete_store(list(plan.keys), False)
             self.state = "done"  # (a tier that cannot read: its loads will say so)

@@ -28,7 +28,7 @@ from kv_offload.runtime.faults import FaultLog
 from kv_offload.store.host import HostTier
 from kv_offload.store.host.layer_copies import LayerSteps
 from kv_offload.store.jobs import HostCopy, StorageJob, StorePiece, TieredResult
-from kv_offload.store.key_view import FIRST_GENERATION, KeyView
+from kv_offload.store.key_view import FIRST_GENERATION, KeyView, storage_key
 from kv_offload.store.manager import OffloadManager
 from kv_offload.store.read_rate import ReadRate
 from kv_offload.types import Direction, Location, OffloadKey
@@ -57,6 +57,25 @@ class Tiers:
         manager, view = self.manager, self.view
         return [Location.HOST if manager.is_ready(k) else
                 Location.STORAGE if view.in_storage(k) else Location.ABSENT for k in keys]
+
+    def storage_keys(self, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """The storage tier's names of `keys` in the generation in force."""
+        generation = self.generation
+        return [storage_key(k, generation) for k in keys]
+
+    def read_into_slots(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> int:
+        """Start reading `keys` from the storage tier into their host slots (the slots are
+        the caller's, reserved); the tier's job id. Raises what the tier raises."""
+        return self.storage.submit_read(self.storage_keys(keys), self._buffers(keys, slots))
+
+    def write_from_slots(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> int:
+        """Start writing `keys` from their (pinned) host slots to the storage tier; the
+        tier's job id. Raises what the tier raises."""
+        return self.storage.submit_write(self.storage_keys(keys), self._buffers(keys, slots))
+
+    def _buffers(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> list:
+        cpu = self.cpu
+        return [cpu.slot_buffer(slot, key[1]) for key, slot in zip(keys, slots)]
 
 
 class JobBook:

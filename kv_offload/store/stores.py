@@ -40,7 +40,6 @@ from kv_offload.store.jobs import (
     targets_of,
     transfers,
 )
-from kv_offload.store.key_view import storage_key
 from kv_offload.store.shared import JobBook, Tiers
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
 
@@ -219,9 +218,7 @@ class StorePipeline:
         slots = manager.prepare_load(todo)  # pinned until their bytes are written
         write = WriteThrough(tuple(todo), generation)
         try:
-            buffers = [tiers.cpu.slot_buffer(s, k[1]) for k, s in zip(todo, slots)]
-            job = tiers.storage.submit_write([storage_key(k, generation) for k in todo],
-                                             buffers)
+            job = tiers.write_from_slots(todo, slots)
         except Exception as exc:
             tiers.faults.failed("storage write", exc)
             manager.complete_load(todo)
@@ -247,7 +244,7 @@ class StorePipeline:
             for key in write.keys:
                 pending.pop(key, None)
             if hit:  # (after the write's own accounting: a raising touch costs only this)
-                tiers.storage.touch([storage_key(k, write.generation) for k in hit])
+                tiers.storage.touch(tiers.storage_keys(hit))  # (write.generation: in force)
 
 
 def _remember(pending: dict[OffloadKey, None], keys: Sequence[OffloadKey], limit: int) -> None:

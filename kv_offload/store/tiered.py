@@ -56,7 +56,7 @@ from kv_offload.store.jobs import (
     TieredResult,
     TierUsage,
 )
-from kv_offload.store.key_view import KeyView, new_generation, offload_key, storage_key
+from kv_offload.store.key_view import KeyView, new_generation, offload_key
 from kv_offload.store.loads import LoadPipeline
 from kv_offload.store.manager import OffloadManager, SlotState
 from kv_offload.store.probe import ReadProbe, probe_bytes_for
@@ -253,8 +253,7 @@ class TieredStore:
             self.stores.protect_later(absent, unwritten, limit)
             stored = [k for k in keys if in_storage(k)] if in_storage else []
             if stored:
-                generation = self.tiers.generation
-                self.storage.touch([storage_key(k, generation) for k in stored])
+                self.storage.touch(self.tiers.storage_keys(stored))
         except Exception as exc:
             self.faults.failed("hit protection", exc)
 

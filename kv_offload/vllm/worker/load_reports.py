@@ -70,9 +70,8 @@ class LoadReports:
         self._block_errors.update(block_ids)
 
     def give_up(self, job_id: int, job: Job) -> None:
-        """An in-step load past its bound: its blocks are errors, its copies may still run
-        (reported as stalled until its result comes; see `hold`)."""
-        self._block_errors.update(job.block_ids)
+        """An in-step load past its bound whose copies may still run (reported as stalled
+        until its result comes; see `hold`). Its blocks: `fail_blocks`, first."""
         self._given_up[job_id] = job.request_id
 
     def ended(self, job_id: int) -> None:
