@@ -88,6 +88,11 @@ class OffloadConfig:
     cut per layer (kv_offload/vllm/worker/layers.py). Off by default: on vLLM CPU our copy
     threads then compete with the forward for the same cores, and host hits measured slower
     than whole-step copies (README, "Benchmarks")."""
+    model_identity: str | None = None
+    """The model's identity as the operator names it (e.g. a deploy version), in place of the
+    digest of every byte of its weight files: it must change whenever the weights do. Needed
+    with a storage tier when the weights are not local files (a remote load); otherwise the
+    content digest is used (kv_offload/vllm/weights.py)."""
 
     def check_engine_block_size(self, engine_block_size: int) -> int:
         """The offloaded chunk size in tokens: the engine's block size (the one rule: a
@@ -195,7 +200,20 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
                       f"\"fsync\": ...}} instead", FutureWarning, stacklevel=2)
     values.update(_parse_storage_tier(extra))
     values.update(_parse_secret(extra))
+    values.update(_parse_model_identity(extra))
     return OffloadConfig(**values)
+
+
+def _parse_model_identity(extra: Mapping[str, Any]) -> dict[str, Any]:
+    name = extra.get("model_identity")
+    if name is None:
+        return {}
+    if not isinstance(name, str) or not name.strip() or len(name) > 256 or \
+            not name.isprintable():
+        raise ConfigError(f"model_identity must be a printable string of 1 to 256 characters "
+                          f"that changes whenever the weights change (e.g. a deploy "
+                          f"version), got {name!r}")
+    return {"model_identity": name}
 
 
 def _parse_storage_tier(extra: Mapping[str, Any]) -> dict[str, Any]:

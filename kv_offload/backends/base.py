@@ -3,7 +3,8 @@
 Contents:
 - `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close),
   optional hooks with working defaults (take_changes, keys, clear, stats, discard,
-  read_generation, write_generation, submit_write_repacked, submit_read_repacked): callers
+  read_generation, write_generation, create_generation, submit_write_repacked,
+  submit_read_repacked): callers
   never probe,
   and two classmethods that build a tier from the connector config (check_options,
   from_options; by default the options are the constructor's keyword arguments).
@@ -202,6 +203,16 @@ class StorageTier(ABC):
         lasts until the process ends: after a restart, keys stored before it are served
         again, which the caller warns about)."""
         return False
+
+    def create_generation(self, record: bytes) -> bytes | None:
+        """Store ``record`` as the generation record only if there is none, and return the
+        record the tier holds afterwards: ``record`` itself, or the one another process
+        stored first (engines starting together must agree on one). None: this tier keeps
+        no record. Called at start-up when `read_generation` found none; may do bounded I/O.
+        Default: `write_generation` (not atomic: two processes starting at the same moment
+        may each keep their own until the next restart; a tier with a conditional write
+        should override)."""
+        return record if self.write_generation(record) else None
 
     def submit_write_repacked(self, keys: Sequence[bytes],
                               values: Sequence[torch.Tensor | Repack]) -> int | None:

@@ -1,9 +1,9 @@
 """Key generations that outlive the process: a connector reset survives a restart.
 
 A reset (`TieredStore.reset`) starts a new random storage-key generation so that nothing stored
-before it is served after it (`kv_offload.store.key_view`). Kept in memory only, a restarted engine
-would start again at `FIRST_GENERATION` and serve the pre-reset keys. So the generation is
-also written to the storage tier itself (`StorageTier.write_generation`: a small record in the
+before it is served after it (`kv_offload.store.key_view`). Kept in memory only, a restarted
+engine would start again where it began and serve the pre-reset keys. So the generation is
+written to the storage tier itself (`StorageTier.write_generation`: a small record in the
 tier's layout namespace, where every engine sharing the store looks), and read back at
 start-up (`StorageTier.read_generation`).
 
@@ -13,14 +13,23 @@ secret can set it. (A writer of the store could still put back an older record o
 secret, a replay: the generation is not a counter. Without a secret, anyone with write
 access can set it, as they can set any value.)
 
-What start-up does with what it finds:
-- no record: `FIRST_GENERATION` (every engine starts there: restarts share their keys);
-- a record that verifies: its generation;
-- a record that does not verify, or a store that cannot be read (raises): a fresh random
-  generation (a cold cache, never pre-reset keys), written back when the record was bad so
-  the fleet converges on it. Logged.
-A tier that keeps no record (the base class's default) makes a reset last until the process
-ends; `TieredStore.reset` warns about it.
+The rule: **no record is never a known generation.** A record can go missing with nothing
+said: deleted (no secret needed), evicted by a server under memory pressure
+(``allkeys-lru``), lost by a server restarted empty. Reading "none" as the first generation
+would make every record stored before the last reset servable again (they still verify).
+So what start-up does with what it finds:
+- a record that verifies: its generation (restarts and other engines share their keys);
+- no record: a fresh random generation, created only if still none is there
+  (`StorageTier.create_generation`: a conditional write), then whichever record the tier
+  holds is used, so engines starting together agree on one. Records stored under any
+  earlier generation are never served again (a cold cache; they age out under the tier's
+  budget or the server's eviction);
+- a record that does not verify, or a store that cannot be read: a fresh random generation
+  (a cold cache, never pre-reset keys), written back when the record was bad so the fleet
+  converges on it. Logged.
+A tier that keeps no record (`create_generation` returns None: the base class's default
+when `write_generation` does) cannot lose one either: it starts at `FIRST_GENERATION`, and a
+reset lasts until the process ends (`TieredStore.reset` warns about it).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import logging
 
 from kv_offload.backends.base import StorageTier
 from kv_offload.backends.record import NETWORK_ALIGN, RecordCodec, pack, unpack_into
-from kv_offload.store.key_view import FIRST_GENERATION, GENERATION_BYTES
+from kv_offload.store.key_view import FIRST_GENERATION, GENERATION_BYTES, new_generation
 
 logger = logging.getLogger("kv_offload")
 
@@ -44,18 +53,20 @@ def generation_record(generation: bytes, codec: RecordCodec, fingerprint: str) -
 
 def read_stored_generation(tier: StorageTier, codec: RecordCodec,
                            fingerprint: str) -> bytes | None:
-    """The generation the tier holds: FIRST_GENERATION if none was ever written; None when
-    the tier cannot be read or holds a record that does not verify (the caller starts a
-    fresh generation)."""
+    """The generation to start in (see the module docstring); None when the tier cannot be
+    read or holds a record that does not verify (the caller starts a fresh generation)."""
     try:
         record = tier.read_generation()
+        if record is None:  # (none: create one, unless another starter just did)
+            record = tier.create_generation(generation_record(new_generation(), codec,
+                                                              fingerprint))
+            if record is None:  # (a tier that keeps no record: nothing can be lost)
+                return FIRST_GENERATION
     except Exception as exc:
         logger.warning("kv-offload: could not read the key generation from the storage tier "
                        "(%s); starting a fresh one (a cold cache, never keys from before a "
                        "reset)", exc)
         return None
-    if record is None:
-        return FIRST_GENERATION
     out = bytearray(GENERATION_BYTES)
     got = unpack_into(record, GENERATION_KEY, fingerprint, memoryview(out),
                       align=NETWORK_ALIGN, codec=codec)

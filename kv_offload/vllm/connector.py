@@ -43,6 +43,7 @@ from kv_offload.vllm.scheduler.kv_events import kv_events_enabled, make_kv_event
 from kv_offload.vllm.scheduler.mamba_states import check_mamba_servable
 from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
 from kv_offload.vllm.spec_translation import translate_groups
+from kv_offload.vllm.weights import PendingWeights, looks_remote, require_identity
 from kv_offload.vllm.worker.offload_worker import OffloadWorker
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._lookup_stats = offload_stats.KVOffloadStats()
+        choice = storage_choice(self.config)
+        model = vllm_config.model_config
+        if looks_remote(model.model) and self.config.model_identity is None:
+            require_identity(None, model.model, choice.name if choice else None)
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_hashes_are_per_process(vllm_config)
-            choice = storage_choice(self.config)
             self._scheduler = OffloadScheduler(
                 [g.spec for g in groups], hash_block_size, world_size,
                 events=make_kv_events(vllm_config, kv_cache_config, hash_block_size,
@@ -97,9 +101,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             rank = _worker_rank(parallel)
             self._groups = groups
             self._num_blocks = kv_cache_config.num_blocks
-            engine = fingerprint_extra(vllm_config, kv_cache_config, groups, rank)
+            self._configs = vllm_config, kv_cache_config
+            self._storage_tier = choice.name if choice else None
+            # (read from now on, while vLLM loads the same files: see vllm/weights.py)
+            self._weights = PendingWeights(model.model, model.revision,
+                                           self.config.model_identity)
             self._worker = OffloadWorker(
-                self.config, rank, engine.shape, tp_share=engine.share,
+                self.config, rank, "", tp_share=None,
                 report_storage_copies=kv_events_enabled(vllm_config),
                 engine_pins_threads=current_platform.is_cpu())  # (vLLM's CPU worker pins)
             self._faults = self._worker.faults
@@ -113,7 +121,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker.register(kv_caches, self._groups, self._num_blocks)  # start-up: may raise
+        # Start-up: may raise. The store opens under the weights' identity, known by now
+        # (vLLM loaded the weights; nothing was stored or served before this).
+        weights = self._weights.result()
+        model = self._configs[0].model_config.model
+        require_identity(weights, model, self._storage_tier)
+        engine = fingerprint_extra(*self._configs, self._groups, self._worker.rank, weights)
+        logger.info("kv-offload rank %d: %s", self._worker.rank,
+                    weights.describe() if weights else f"model {model!r} keyed by name "
+                    f"(host memory only)")
+        self._worker.register(kv_caches, self._groups, self._num_blocks,
+                              engine.shape, engine.share)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Runs at the start of every step, before any forward: stores still reading blocks

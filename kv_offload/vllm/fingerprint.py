@@ -6,9 +6,10 @@ bytes and the keys, and nothing else, so a cache survives what does not change t
 
 - **The model's bytes.** The Hugging Face config (hashed), dtype, quantization, every cache
   group's spec, the cache dtypes and layout, and the weights' identity
-  (`weights_identity`): weights replaced in place under the same path and config are a new
-  model. With the weights identified, the model's path is left out: servers that keep the
-  same weights under different paths share one cache.
+  (`kv_offload.vllm.weights`: every byte of the weight files, or `model_identity`): weights
+  edited in place under the same path and config are a new model. With the weights
+  identified, the model's path is left out: servers that keep the same weights under
+  different paths share one cache.
 - **The keys.** vLLM keys blocks by a chain of hashes. Rather than vLLM's version (which
   made every entry miss after any upgrade although hashes and pages were unchanged), a
   canary: two fixed blocks hashed with the engine's own block-hash function, hash algorithm
@@ -25,22 +26,18 @@ bytes and the keys, and nothing else, so a cache survives what does not change t
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from kv_offload.store.tp.records import TPShare
+from kv_offload.vllm.weights import WeightsIdentity
 
 logger = logging.getLogger(__name__)
 
 CANARY_TOKENS = 64  # per canary block (any fixed count: the tokens are only hashed)
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLES_PER_FILE = 16  # spread over each weights file
-SAMPLE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -55,14 +52,14 @@ class EngineFingerprint:
 
 
 def fingerprint_extra(vllm_config: Any, kv_cache_config: Any, groups: list,
-                      rank: int) -> EngineFingerprint:
-    """The engine parts of the layout fingerprints (see the module docstring)."""
+                      rank: int, weights: WeightsIdentity | None) -> EngineFingerprint:
+    """The engine parts of the layout fingerprints (see the module docstring); ``weights``:
+    `kv_offload.vllm.weights`'s identity (None: the model's name and revision instead)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel = vllm_config.parallel_config
-    weights = weights_identity(model.model, model.revision)
     hf_config = xxhash.xxh3_64_hexdigest(model.hf_config.to_json_string().encode())
     tp_size = parallel.tensor_parallel_size
-    common = (f"weights:{weights}" if weights else f"model:{model.model}@{model.revision}",
+    common = (f"weights:{weights.digest}" if weights else f"model:{model.model}@{model.revision}",
               hf_config, model.dtype, model.quantization, cache.cache_dtype,
               cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype,
               f"keys:{hash_scheme_canary(cache.prefix_caching_hash_algo)}",
@@ -102,43 +99,3 @@ def hash_scheme_canary(hash_algo: str, *, hash_block_tokens: Callable | None = N
     first = chain(hash_fn, root, list(range(CANARY_TOKENS)), None)
     second = chain(hash_fn, first, list(range(CANARY_TOKENS, 2 * CANARY_TOKENS)), None)
     return xxhash.xxh3_64_hexdigest(bytes(first) + bytes(second))
-
-
-def weights_identity(model: str, revision: str | None = None) -> str | None:
-    """A digest of the model's weight files (None if none are found locally): per file its
-    name, size and `SAMPLES_PER_FILE` samples of its content spread over it (a safetensors
-    file's header in full). Reads about 1 MiB per file, whatever the model's size; new
-    weights written in place (fine-tuned, another checkpoint) change the samples."""
-    directory = _model_directory(model, revision)
-    if directory is None:
-        return None
-    files = sorted(p for p in directory.rglob("*") if p.suffix in WEIGHT_SUFFIXES
-                   and p.is_file())
-    if not files:
-        return None
-    digest = xxhash.xxh3_128()
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.relative_to(directory)}:{size}:".encode())
-        with open(path, "rb") as f:
-            if path.suffix == ".safetensors" and size >= 8:
-                header_len = int.from_bytes(f.read(8), "little")
-                digest.update(f.read(min(header_len, size - 8)))
-            for i in range(SAMPLES_PER_FILE):
-                f.seek(max(0, size - SAMPLE_BYTES) * i // max(1, SAMPLES_PER_FILE - 1))
-                digest.update(f.read(SAMPLE_BYTES))
-    return digest.hexdigest()
-
-
-def _model_directory(model: str, revision: str | None) -> Path | None:
-    """The local directory of `model`: itself, or its Hugging Face cache snapshot."""
-    if os.path.isdir(model):
-        return Path(model)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception as exc:  # not a cached repository: identify the model by name
-        logger.info("kv-offload: no local weights found for %r (%s); the cache is keyed "
-                    "on its name and revision", model, exc)
-        return None

@@ -144,6 +144,9 @@ class SealedTier(StorageTier):
     def write_generation(self, record: bytes) -> bool:
         return self.inner.write_generation(record)
 
+    def create_generation(self, record: bytes) -> bytes | None:
+        return self.inner.create_generation(record)
+
     # -- internals --
 
     def _record_buffer(self, key: bytes, data_len: int) -> torch.Tensor:

@@ -70,6 +70,12 @@ class DictTier(StorageTier):
         self._generation = bytes(record)
         return True
 
+    def create_generation(self, record: bytes) -> bytes | None:
+        with self._lock:  # (the check and the write as one: starters agree on one record)
+            if self._generation is None:
+                self._generation = bytes(record)
+            return self._generation
+
     def _store(self, key: bytes, buf: torch.Tensor) -> bool:
         if buf.numel() > self.max_bytes:
             return False

@@ -65,6 +65,7 @@ from kv_offload.backends.filesystem.fileformat import (
     temp_file_name,
 )
 from kv_offload.backends.filesystem.generation_file import (
+    create_generation_file,
     read_generation_file,
     write_generation_file,
 )
@@ -260,8 +261,14 @@ class FilesystemTier(StorageTier):
         return read_generation_file(self._layout_dir)
 
     def write_generation(self, record: bytes) -> bool:
-        return write_generation_file(self._layout_dir, temp_file_name(
-            os.getpid(), f"{self._temp_token}-{next(self._temp_seq)}", self._host), record)
+        return write_generation_file(self._layout_dir, self._generation_temp(), record)
+
+    def create_generation(self, record: bytes) -> bytes | None:
+        return create_generation_file(self._layout_dir, self._generation_temp(), record)
+
+    def _generation_temp(self) -> str:
+        return temp_file_name(os.getpid(), f"{self._temp_token}-{next(self._temp_seq)}",
+                              self._host)
 
     def file_path(self, key: bytes) -> str:
         """Where the file of ``key`` lives (whether or not it exists)."""

@@ -239,6 +239,29 @@ class S3Tier(StorageTier):
             return False
         return True
 
+    def create_generation(self, record: bytes) -> bytes | None:
+        """A conditional put (If-None-Match: the first starter's object stays), then the
+        record the bucket holds. An endpoint that does not support conditional puts answers
+        501: a plain put then (two engines starting at once may each keep their own until a
+        restart: a cold cache, never pre-reset keys)."""
+        try:
+            self._s3.put_object(Bucket=self.config.bucket, Key=self._generation_name(),
+                                Body=record, IfNoneMatch="*")
+            return record
+        except ClientError as e:
+            if _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict",
+                            "409"):
+                return self.read_generation()
+            if _code(e) not in ("NotImplemented", "501"):
+                logger.warning("kv-offload: could not create the generation record of %s: "
+                               "%s", self._where, e)
+                return None
+        except (BotoCoreError, OSError) as e:
+            logger.warning("kv-offload: could not create the generation record of %s: %s",
+                           self._where, e)
+            return None
+        return record if self.write_generation(record) else None
+
     def refresh(self) -> None:
         """List the whole prefix now: adopt others' objects, drop vanished ones, evict to
         budget (the background thread lists a few pages per poll instead: listing.py)."""

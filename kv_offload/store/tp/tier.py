@@ -383,3 +383,6 @@ class TPRecordTier(StorageTier):
 
     def write_generation(self, record: bytes) -> bool:
         return self.inner.write_generation(record)
+
+    def create_generation(self, record: bytes) -> bytes | None:
+        return self.inner.create_generation(record)

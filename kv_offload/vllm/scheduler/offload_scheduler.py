@@ -52,6 +52,7 @@ class _Request:
     next_store_tokens: int = 0  # computed tokens before any group can have more to store
     waiting_since: float | None = None
     stores_off: bool = False  # its block table may be wrong (a step was missed): never store
+    adapter: bool = False  # it runs a LoRA adapter: never looked up or stored
     loading: bool = False
     in_step_load_step: int | None = None  # the plan step of its in-step load, if any
     in_step_blocks: list[int] = field(default_factory=list)  # the blocks that load fills
@@ -131,6 +132,13 @@ class OffloadScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _Request(request)
+            # A LoRA adapter changes the KV, and vLLM keys its blocks by the adapter's name,
+            # not its content: an adapter reloaded under the same name would be served the
+            # old adapter's KV. Such requests are neither looked up nor stored.
+            state.stores_off = state.adapter = \
+                getattr(request, "lora_request", None) is not None
+        if state.adapter:
+            return 0, False, None
         if not self.ready or self._awaiting_reset(state):
             return None, False, None
         if state.load_failed or state.loading:

@@ -126,9 +126,14 @@ class OffloadWorker:
         return self.layers.enabled
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
-                 num_blocks: int) -> None:
+                 num_blocks: int, fingerprint_extra: str | None = None,
+                 tp_share: TPShare | None = None) -> None:
         """Canonicalise the engine's caches and open the tiers (errors here are start-up
-        configuration errors and do raise)."""
+        configuration errors and do raise). ``fingerprint_extra`` and ``tp_share``, where
+        given, replace the constructor's: the connector knows them only now, once the
+        weights are identified."""
+        if fingerprint_extra is not None:
+            self.fingerprint_extra, self.tp_share = fingerprint_extra, tp_share
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
         fingerprint = layout_fingerprint(self.canonical, self.fingerprint_extra)
         records = None if self.tp_share is None else rank_records(

@@ -5,6 +5,8 @@ serves what was stored before the reset."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from kv_offload.backends.base import StorageTier
 from kv_offload.backends.common.sealing import Authenticated
 from kv_offload.backends.example import DictTier
+from kv_offload.backends.filesystem.fileformat import GENERATION_NAME
 from kv_offload.config import parse_config
 from kv_offload.store.generations import GENERATION_KEY, generation_record
 from kv_offload.store.key_view import FIRST_GENERATION
@@ -72,15 +75,107 @@ def test_keys_stored_before_a_reset_are_not_served_after_a_restart(request, tmp_
     restarted.close()
 
 
-def test_an_engine_that_never_reset_starts_in_the_first_generation_and_shares_keys(tmp_path):
+def test_an_engine_that_never_reset_shares_the_first_engines_generation(tmp_path):
     buffer, canonical = hybrid()
     config = config_for(None, tmp_path, "filesystem")
     fingerprint = layout_fingerprint(canonical, "test-model")
-    store_and_close(canonical, config, fingerprint, [1]).close()
+    first = store_and_close(canonical, config, fingerprint, [1])
+    first.close()
     again = TieredStore.from_config(canonical, config, fingerprint)
-    assert again.generation == FIRST_GENERATION
+    assert again.generation == first.generation != FIRST_GENERATION
     wait_for_storage(again, [(h(1), 0)])
     again.close()
+
+
+def innermost(tier: StorageTier) -> StorageTier:
+    while hasattr(tier, "inner"):
+        tier = tier.inner
+    return tier
+
+
+def delete_generation_record(tier: StorageTier, backend: str) -> None:
+    """As a writer without the secret, a server evicting it, or one restarted empty would."""
+    tier = innermost(tier)
+    if backend == "filesystem":
+        os.unlink(os.path.join(tier._layout_dir, GENERATION_NAME))
+    elif backend == "valkey":
+        assert tier._redis.delete(tier._generation_name()) == 1
+    else:
+        tier._s3.delete_object(Bucket=tier.config.bucket, Key=tier._generation_name())
+    assert tier.read_generation() is None
+
+
+@pytest.mark.parametrize("backend", ["filesystem", "valkey", "s3"])
+def test_a_missing_generation_record_never_brings_pre_reset_keys_back(request, tmp_path,
+                                                                      backend):
+    """Read as "the first generation", a deleted or evicted record made every key stored
+    before the last reset servable again (they still verify)."""
+    _, canonical = hybrid()
+    config = config_for(request, tmp_path, backend, secret_file=secret(tmp_path))
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    before = store_and_close(canonical, config, fingerprint, [1, 2])
+    before.reset()
+    delete_generation_record(before.storage, backend)
+    before.close()
+    restarted = TieredStore.from_config(canonical, config, fingerprint)
+    assert restarted.generation not in (FIRST_GENERATION, before.generation)
+    for _ in range(50):
+        restarted.poll()
+    assert restarted.lookup([(h(1), 0), (h(2), 0)]) == [Location.ABSENT] * 2
+    again = TieredStore.from_config(canonical, config, fingerprint)  # (it was kept)
+    assert again.generation == restarted.generation
+    restarted.close()
+    again.close()
+
+
+@pytest.mark.parametrize("backend", ["filesystem", "valkey", "s3"])
+def test_engines_starting_together_on_a_fresh_store_agree_on_one_generation(
+        request, tmp_path, backend):
+    _, canonical = hybrid()
+    config = config_for(request, tmp_path, backend, secret_file=secret(tmp_path))
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    barrier = threading.Barrier(4)
+    started: list[TieredStore] = []
+
+    def start() -> None:
+        barrier.wait()
+        started.append(TieredStore.from_config(canonical, config, fingerprint))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(started) == 4
+    assert len({store.generation for store in started}) == 1
+    for store in started:
+        store.close()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
+def test_a_fifo_or_link_planted_as_the_generation_record_is_not_followed(tmp_path, planted):
+    """A FIFO there hung start-up (an open for reading waits for a writer)."""
+    _, canonical = hybrid()
+    config = config_for(None, tmp_path, "filesystem", secret_file=secret(tmp_path))
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    first = store_and_close(canonical, config, fingerprint, [1])
+    record = os.path.join(innermost(first.storage)._layout_dir, GENERATION_NAME)
+    first.close()
+    target = tmp_path / "elsewhere"  # (the genuine record, where a link could lead)
+    os.rename(record, target)
+    if planted == "fifo":
+        os.mkfifo(record)
+    else:
+        os.symlink(target, record)
+    started: list[TieredStore] = []
+    thread = threading.Thread(target=lambda: started.append(
+        TieredStore.from_config(canonical, config, fingerprint)), daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "start-up hung on the planted generation record"
+    [restarted] = started
+    assert restarted.generation not in (FIRST_GENERATION, first.generation)
+    restarted.close()
 
 
 def test_a_generation_record_forged_without_the_secret_starts_a_fresh_generation(tmp_path):
@@ -108,6 +203,7 @@ class ForgetfulTier(DictTier):
 
     read_generation = StorageTier.read_generation
     write_generation = StorageTier.write_generation
+    create_generation = StorageTier.create_generation
 
 
 def test_a_tier_without_a_generation_record_warns_on_reset(caplog):

@@ -17,9 +17,9 @@ from kv_offload.vllm.fingerprint import (  # noqa: E402
     EngineFingerprint,
     fingerprint_extra,
     hash_scheme_canary,
-    weights_identity,
 )
 from kv_offload.vllm.spec_translation import translate_groups  # noqa: E402
+from kv_offload.vllm.weights import identify_weights  # noqa: E402
 
 # Two fixed blocks keyed by vLLM's own hashing. Computed with vLLM 0.32.0; CI runs this
 # file again over vLLM 0.33.0's sources: the same values there are what lets a cache
@@ -68,31 +68,18 @@ def model_dir(tmp_path):
     return build_llama(tmp_path / "llama", seed=0)
 
 
-def test_weights_replaced_in_place_under_the_same_config_are_another_model(model_dir):
-    before = weights_identity(str(model_dir))
-    config = (model_dir / "config.json").read_bytes()
-    build_llama(model_dir, seed=1)  # same path, same config, other weights
-    assert (model_dir / "config.json").read_bytes() == config
-    assert weights_identity(str(model_dir)) != before
-
-
-def test_the_same_weights_elsewhere_or_touched_are_the_same_model(model_dir, tmp_path):
-    before = weights_identity(str(model_dir))
-    copy = shutil.copytree(model_dir, tmp_path / "elsewhere")  # (new mtimes)
-    for weights in copy.glob("*.safetensors"):
-        weights.touch()
-    assert weights_identity(str(copy)) == before
-
-
-def test_a_model_without_local_weights_is_identified_by_name():
-    assert weights_identity("no-such-org/no-such-model") is None
+def test_without_a_weights_identity_the_model_is_keyed_by_name_and_revision(model_dir):
+    named = engine_parts(str(model_dir), weights=False).shape
+    assert f"model:{model_dir}@" in named
+    assert named != engine_part(str(model_dir))
 
 
 def engine_part(model: str, rank: int = 0, **cache) -> str:
     return engine_parts(model, rank, **cache).shape
 
 
-def engine_parts(model: str, rank: int = 0, tp_size: int = 1, **cache) -> EngineFingerprint:
+def engine_parts(model: str, rank: int = 0, tp_size: int = 1, weights: bool = True,
+                 **cache) -> EngineFingerprint:
     config = VllmConfig(model_config=ModelConfig(model=model),
                         cache_config=CacheConfig(**cache),
                         parallel_config=ParallelConfig())
@@ -102,7 +89,9 @@ def engine_parts(model: str, rank: int = 0, tp_size: int = 1, **cache) -> Engine
     kv_cache_config = vkv.KVCacheConfig(
         num_blocks=8, kv_cache_tensors=[],
         kv_cache_groups=[vkv.KVCacheGroupSpec(["layers.0"], spec)])
-    return fingerprint_extra(config, kv_cache_config, translate_groups(kv_cache_config), rank)
+    identity = identify_weights(model) if weights else None
+    return fingerprint_extra(config, kv_cache_config, translate_groups(kv_cache_config), rank,
+                             identity)
 
 
 def test_the_engine_part_names_weights_and_key_scheme_not_the_path_or_the_version(
