@@ -47,7 +47,10 @@ logger = logging.getLogger("kv_offload")
 
 CACHE_NAME = "file-digests.json"
 MAX_ENTRIES = 20_000  # (a few hundred models' shards; the least recently used go first)
-READ_CHUNK = 16 << 20  # (large reads: the page cache and the hash both stream)
+# 1 MiB reads: measured fastest here from the page cache (the chunk stays in the CPU's cache
+# between the copy and the hash; 4 and 16 MiB were 30-40% slower). Not mmap, although faster
+# from the page cache: a file truncated while mapped kills the process with SIGBUS.
+READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
