@@ -1,11 +1,12 @@
 """The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` tiers,
 `serve-check` a running vLLM server, `secret new` a secret file for a shared store.
 
-Every subcommand that measures or checks (all but `secret`, which writes one file and prints
-the config line for it: `secret_cmd`) prints its table(s) with `report.Table`, writes `--json PATH` as the same
-envelope (`report.envelope`: command, version, statistic, results; `--json -` writes it to
-stdout and the tables to stderr), shows progress of long runs on stderr, and exits 0 when
-everything checked out, 1 on any mismatch or failed key, 2 on arguments it cannot honour.
+Every subcommand that measures or checks (all but `secret`, which writes one file and
+prints the config line for it: `secret_cmd`) prints its table(s) with `report.Table`, writes
+`--json PATH` as the same envelope (`report.envelope`: command, version, statistic, results;
+`--json -` writes it to stdout and the tables to stderr), shows progress of long runs on
+stderr, and exits 0 when everything checked out, 1 on any mismatch or failed key, 2 on
+arguments it cannot honour.
 
 The help a user reads (`DESCRIPTION`, each subcommand's description) says what the command
 does and promises, never how this package is built: the module docstrings are for developers.
