@@ -66,6 +66,11 @@ class OffloadConfig:
     keys are derived, never logged."""
     encrypt: bool = False
     """Encrypt stored records with AES-GCM under a key derived from secret_file."""
+    trusted_store: bool = False
+    """Run a shared storage tier (valkey, s3, or a plug-in whose class sets `shared = True`)
+    without secret_file: every writer of the store decides what the engines serve. Only for a
+    single-tenant store no one else can write to; otherwise such a tier is refused at
+    start-up (`startup_checks.check_config`), and secret_file is the fix."""
     in_step_load_bytes: int = 256 * 2**20
     """A hit whose bytes are all in host memory on every rank, at most this many per rank, is
     loaded inside the step that schedules its request (its prefill runs in that step); a
@@ -239,15 +244,23 @@ def _parse_storage_tier(extra: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _parse_secret(extra: Mapping[str, Any]) -> dict[str, Any]:
-    """`secret_file` (checked now: exists, private, not empty) and `encrypt` (needs it)."""
+    """`secret_file` (checked now: exists, private, not empty), `encrypt` (needs it) and
+    `trusted_store` (its opposite: never both). Whether the tier needs one of them is
+    `startup_checks.check_config`'s to judge (it knows which tiers are shared)."""
     path, encrypt = extra.get("secret_file"), extra.get("encrypt", False)
-    if not isinstance(encrypt, bool):
-        raise ConfigError(f"encrypt must be true or false, got {encrypt!r}")
+    trusted = extra.get("trusted_store", False)
+    for flag, value in (("encrypt", encrypt), ("trusted_store", trusted)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{flag} must be true or false, got {value!r}")
     if path is None:
         if encrypt:
             raise ConfigError("encrypt: true needs secret_file (a file, mode 0600, holding "
                               "the shared secret the encryption key is derived from)")
-        return {}
+        return {"trusted_store": trusted}
+    if trusted:
+        raise ConfigError("trusted_store: true and secret_file both set: with secret_file "
+                          "the store is not trusted, records are authenticated; remove "
+                          "trusted_store")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"secret_file must be a non-empty path string, got {path!r}")
     from kv_offload.runtime.secret_file import read_secret

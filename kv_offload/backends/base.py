@@ -8,6 +8,11 @@ Contents:
   never probe,
   and two classmethods that build a tier from the connector config (check_options,
   from_options; by default the options are the constructor's keyword arguments).
+  The class attribute `shared` says whether others can write where the tier stores (a
+  server or a bucket, as valkey and s3: True): a shared tier starts only with
+  `secret_file` or the explicit opt-out `trusted_store` (`startup_checks.check_config`).
+  Default False: a store private to this host and user, as the filesystem tier's 0700
+  directory.
 - `TierJobResult`, `TierChanges`, `TierStats`: what a tier hands back.
 - `Repack`: a value stored in another byte order than its host buffer's (a TP-free record
   read by a rank of another TP size or page layout): a tier that takes them packs and
@@ -126,7 +131,12 @@ class StorageTier(ABC):
       ``TierRequestError`` (see ``check_tier_request``), and use after ``close`` raises
       ``TierClosedError``.
     - A read fills the caller's buffer in place; a key stored with a different size fails.
+    - ``shared``: set it to True in a tier that stores where others can write (a server, a
+      bucket): without ``secret_file`` anyone who can write there decides what engines
+      serve, so such a tier starts only with ``secret_file`` or ``trusted_store: true``.
     """
+
+    shared: bool = False
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:

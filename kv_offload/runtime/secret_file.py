@@ -4,7 +4,8 @@ The file is checked at start-up, in every process, before anything is stored: it
 regular file this process can read, readable by its owner only (group/other bits clear, as
 ssh insists for private keys: a secret everyone on the host can read authenticates nothing),
 and hold at least ``MIN_SECRET_BYTES`` bytes once surrounding whitespace (a trailing newline
-from ``openssl rand -hex 32 > FILE``) is stripped. Every failure is a ``ConfigError`` naming
+from ``openssl rand -hex 32 > FILE``) is stripped. ``kv-offload secret new PATH``
+(`kv_offload.tools.secret_cmd`) makes such a file. Every failure is a ``ConfigError`` naming
 the key, the path and the fix; the secret itself is never put in a message, a log line or a
 repr: only the path travels in the config, the bytes are read where the keys are derived.
 """
@@ -17,7 +18,7 @@ import stat
 from kv_offload.errors import ConfigError
 
 MIN_SECRET_BYTES = 16
-CREATE_HINT = "create one with: (umask 077; openssl rand -hex 32 > {path})"
+CREATE_HINT = "create one with: kv-offload secret new {path}"
 
 
 def read_private_file(path: str, key: str, what: str, *, max_bytes: int = 1 << 16) -> bytes:

@@ -5,7 +5,10 @@ too, so a bad value is a `ConfigError` that names the key and the fix at start-u
 OOM kill, a silently disabled tier or an error on the first request:
 - the choices `kv_offload.config` cannot judge from below (`check_config`): the eviction
   policy's name, the storage tier's options (the tier's `check_options`: connects nowhere) and
-  the cipher package `secret_file` needs; `parse_config` checks keys, types and values;
+  the cipher package `secret_file` needs, and that a shared storage tier (one whose class
+  sets `StorageTier.shared`: valkey, s3) has `secret_file` or the explicit opt-out
+  `trusted_store` (without either, anyone who can write to the store decides what the engines
+  serve: secure by default); `parse_config` checks keys, types and values;
 - the eviction policy imports and builds;
 - the host tiers of the ranks on this machine fit in the memory available now, and each
   holds at least one block;
@@ -29,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv_offload.backends import check_storage_config
+from kv_offload.backends import check_storage_config, storage_choice, tier_class
 from kv_offload.backends.common.sealing import check_crypto_available
 from kv_offload.config import OffloadConfig, parse_config, parse_size
 from kv_offload.errors import ConfigError
@@ -65,7 +68,8 @@ def check_config(config: OffloadConfig) -> None:
     """Raise `ConfigError` for a choice of `config` that the store or the tiers refuse: an
     eviction policy that is neither built in nor a 'package.module:ClassName' path, a
     `secret_file` without the cryptography package, a storage tier that does not import or
-    whose options are bad. Opens nothing, connects nowhere."""
+    whose options are bad, a shared storage tier with neither `secret_file` nor
+    `trusted_store`. Opens nothing, connects nowhere."""
     policy = config.eviction_policy
     if not isinstance(policy, str) or (policy not in POLICIES and ":" not in policy):
         raise ConfigError(f"eviction_policy must be one of {list(POLICIES)} or "
@@ -73,6 +77,27 @@ def check_config(config: OffloadConfig) -> None:
     if config.secret_file is not None:
         check_crypto_available()
     check_storage_config(config)  # the tier's own options (it imports only the chosen tier)
+    _check_shared_store_trust(config)
+
+
+def _check_shared_store_trust(config: OffloadConfig) -> None:
+    """A shared tier needs `secret_file` or `trusted_store`; `trusted_store` needs a shared
+    tier (on any other it would claim a trust decision that was never made)."""
+    choice = storage_choice(config)
+    shared = choice is not None and tier_class(choice.name).shared
+    if shared and config.secret_file is None and not config.trusted_store:
+        raise ConfigError(
+            f"storage_tier {choice.name!r} is a shared store: without secret_file anyone who "
+            f"can write to it decides what the engines serve. Set secret_file to a secret "
+            f"file every engine shares (create one with: kv-offload secret new PATH), or, "
+            f"for a single-tenant store no one else can write to, set "
+            f"\"trusted_store\": true")
+    if config.trusted_store and not shared:
+        tier = "no storage_tier" if choice is None else f"storage_tier {choice.name!r}"
+        raise ConfigError(
+            f"trusted_store: true, but {tier} is not a shared store (trusted_store only "
+            f"lets a shared tier such as 'valkey' or 's3' run without secret_file); remove "
+            f"trusted_store")
 
 
 def check_startup(config: OffloadConfig, groups: Sequence[KVCacheGroup], *,

@@ -1,10 +1,12 @@
 """The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` tiers,
-`serve-check` a running vLLM server.
+`serve-check` a running vLLM server, `secret new` a secret file for a shared store.
 
-Every subcommand prints its table(s) with `report.Table`, writes `--json PATH` as the same
-envelope (`report.envelope`: command, version, statistic, results; `--json -` writes it to
-stdout and the tables to stderr), shows progress of long runs on stderr, and exits 0 when
-everything checked out, 1 on any mismatch or failed key, 2 on arguments it cannot honour.
+Every subcommand that measures or checks (all but `secret`, which writes one file and
+prints the config line for it: `secret_cmd`) prints its table(s) with `report.Table`, writes
+`--json PATH` as the same envelope (`report.envelope`: command, version, statistic, results;
+`--json -` writes it to stdout and the tables to stderr), shows progress of long runs on
+stderr, and exits 0 when everything checked out, 1 on any mismatch or failed key, 2 on
+arguments it cannot honour.
 
 The help a user reads (`DESCRIPTION`, each subcommand's description) says what the command
 does and promises, never how this package is built: the module docstrings are for developers.
@@ -23,7 +25,7 @@ from kv_offload.tools.report import SubcommandParser
 DESCRIPTION = """\
 Offload the KV cache of vLLM to host memory, disk and shared stores: see it work (demo),
 look at what would be offloaded (inspect), measure the tiers (bench), check a running
-server (serve-check).
+server (serve-check), create the secret file a shared store needs (secret new).
 
 Every subcommand prints a table; --json PATH also writes the results as JSON ('-': the
 JSON to stdout, the table to stderr). Progress goes to stderr. Exit status: 0 when
@@ -77,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "byte checked.")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+
+    from kv_offload.tools.secret_cmd import add_secret_arguments
+
+    secret = commands.add_parser(
+        "secret", help="create the secret file a shared store (valkey, s3) needs",
+        description="Make the secret_file that engines sharing a Valkey/Redis server or an "
+                    "S3 bucket authenticate their stored records with.")
+    add_secret_arguments(secret)
     return parser
 
 

@@ -6,7 +6,8 @@ redis-server on loopback (the Valkey tier), or moto's S3 server on loopback (the
 whose requests run in its helper process, started from vLLM's worker process). The second
 engine starts with an empty host tier, so every token it reports as cached came through the
 shared tier; its outputs match, bit for bit, an engine without the connector whose own
-prefix cache served the same prefixes.
+prefix cache served the same prefixes. The engines share a `secret_file`, as a shared tier
+requires (its records are authenticated).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from engine_harness import run_engine, token_ids
 from test_connector import PROMPTS, cached, full_prefixes, outputs, spec
 
 from kv_offload.backends.valkey.local_server import BINARIES, server_binary
+
+from helpers.servers import new_secret_file
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +58,12 @@ def s3_bucket():
 
 
 @pytest.fixture(scope="module")
+def shared_secret(tmp_path_factory) -> str:
+    """The secret_file every engine of this module's shared stores is started with."""
+    return new_secret_file(tmp_path_factory.mktemp("secret"))
+
+
+@pytest.fixture(scope="module")
 def baseline(tiny_models, tmp_path_factory):
     """Without the connector: computed, then served by vLLM's own prefix cache (a prefix from
     any cache is continued by a short prefill, which may round differently in the last bits
@@ -63,43 +72,47 @@ def baseline(tiny_models, tmp_path_factory):
                       tmp_path_factory.mktemp("baseline"))
 
 
-def shared_config(tier: str, options: dict, cpu_bytes: str) -> dict:
+def shared_config(tier: str, options: dict, cpu_bytes: str, secret_file: str) -> dict:
     return {
         "kv_connector": "KVOffloadConnector",
         "kv_connector_module_path": "kv_offload.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "cpu_bytes_to_use": cpu_bytes, "storage_tier": tier, "storage_options": options},
+            "cpu_bytes_to_use": cpu_bytes, "storage_tier": tier, "storage_options": options,
+            "secret_file": secret_file},
     }
 
 
 def test_a_second_engine_is_served_from_the_shared_valkey_tier(tiny_models, tmp_path,
-                                                                valkey_url, baseline):
+                                                                valkey_url, baseline,
+                                                                shared_secret):
     import redis
 
     options = {"url": valkey_url, "key_prefix": f"e2e-{os.getpid()}:"}
     check_served_through(tiny_models["llama"], tmp_path, baseline, "valkey", options,
+                         shared_secret,
                          lambda: redis.Redis.from_url(valkey_url).keys(f"e2e-{os.getpid()}:*"))
 
 
 def test_a_second_engine_is_served_from_the_shared_s3_tier(tiny_models, tmp_path, s3_bucket,
-                                                            baseline):
+                                                            baseline, shared_secret):
     import boto3
 
     endpoint, bucket = s3_bucket
     options = {"bucket": bucket, "endpoint_url": endpoint,
                "bytes_to_use": "256MiB"}  # (helper_process: the default)
     s3 = boto3.client("s3", endpoint_url=endpoint)
-    check_served_through(tiny_models["llama"], tmp_path, baseline, "s3", options,
+    check_served_through(tiny_models["llama"], tmp_path, baseline, "s3", options, shared_secret,
                          lambda: s3.list_objects_v2(Bucket=bucket).get("Contents", []))
 
 
-def check_served_through(model, tmp_path, baseline, tier: str, options: dict, stored) -> None:
-    first = run_engine(spec(model, [{}], shared_config(tier, options, "64MiB")),
+def check_served_through(model, tmp_path, baseline, tier: str, options: dict, secret: str,
+                         stored) -> None:
+    first = run_engine(spec(model, [{}], shared_config(tier, options, "64MiB", secret)),
                        tmp_path / "first")
     assert stored(), "the first engine wrote nothing to the server"
-    second = run_engine(spec(model, [{}], shared_config(tier, options, "32MiB")),
+    second = run_engine(spec(model, [{}], shared_config(tier, options, "32MiB", secret)),
                         tmp_path / "second")
     (cold,), (served,) = first["passes"], second["passes"]
     computed, engine_cached = baseline["passes"]

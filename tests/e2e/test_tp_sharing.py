@@ -34,7 +34,7 @@ import os
 import pytest
 from engine_harness import run_engine, token_ids
 from test_connector import PROMPTS, cached, connector_config, full_prefixes, outputs, spec
-from test_shared_stores import shared_config, valkey_url  # noqa: F401 (a fixture)
+from test_shared_stores import shared_config, shared_secret, valkey_url  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.e2e
 
@@ -50,11 +50,11 @@ def engine(model, tmp_path, name: str, passes, config, tp: int):
     return run_engine(run_spec, tmp_path / name, **kwargs)
 
 
-def test_a_prefix_crosses_tp_sizes_through_disk_and_valkey(tiny_models, tmp_path,
-                                                            valkey_url):  # noqa: F811
+def test_a_prefix_crosses_tp_sizes_through_disk_and_valkey(
+        tiny_models, tmp_path, valkey_url, shared_secret):  # noqa: F811
     model, disk = tiny_models["llama"], connector_config(tmp_path / "kv")
     valkey = shared_config("valkey", {"url": valkey_url, "key_prefix": f"e2e-tp-{os.getpid()}:"},
-                           "64MiB")
+                           "64MiB", shared_secret)
     w2 = engine(model, tmp_path, "w2", [{}, {}], disk, tp=2)
     w1 = engine(model, tmp_path, "w1", [{}, {}], valkey, tp=1)
     r1 = engine(model, tmp_path, "r1", [{}], disk, tp=1)  # TP=2 -> TP=1 through disk

@@ -1,6 +1,7 @@
 """What tests of the shared-store tiers need besides the loopback servers (those are the
 fixtures of tests/unit/conftest.py): unique bucket names and key prefixes, a fresh bucket, the
-`storage_options` of a fresh namespace."""
+`storage_options` of a fresh namespace, and a `secret_file` (a shared tier starts only with one,
+or with `trusted_store: true`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ _names = itertools.count()
 def unique_name(stem: str) -> str:
     """A bucket or key prefix no other test in this session uses."""
     return f"{stem}-{os.getpid()}-{next(_names)}"
+
+
+def new_secret_file(directory: os.PathLike | str) -> str:
+    """A fresh secret file in `directory`, made as `kv-offload secret new` makes it."""
+    from kv_offload.tools.secret_cmd import write_new_secret
+
+    path = os.path.join(directory, unique_name("secret"))
+    write_new_secret(path)
+    return path
 
 
 def make_bucket(endpoint_url: str) -> str:

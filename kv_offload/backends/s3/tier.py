@@ -88,6 +88,8 @@ MAX_DELETE = 1000  # objects per DeleteObjects request (the S3 limit)
 class S3Tier(StorageTier):
     """A ``StorageTier`` on an S3-compatible bucket (see the module docstring)."""
 
+    shared = True  # every client of the bucket can write: secret_file or trusted_store
+
     def __init__(self, config: S3TierConfig) -> None:
         self.config = config
         self._root = f"{config.prefix}{config.codec.namespace(config.layout_fingerprint)}/"

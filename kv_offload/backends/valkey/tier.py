@@ -96,6 +96,8 @@ MEMORY_INTERVAL_S = 5.0  # how often a background poll refreshes the server's me
 class ValkeyTier(StorageTier):
     """A ``StorageTier`` on a Valkey/Redis server (see the module docstring)."""
 
+    shared = True  # every client of the server can write: secret_file or trusted_store
+
     def __init__(self, config: ValkeyTierConfig) -> None:
         self.config = config
         self._namespace = f"{config.key_prefix}{config.codec.namespace(config.layout_fingerprint)}:"

@@ -20,7 +20,7 @@ from kv_offload.errors import ConfigError
 from kv_offload.store.startup_checks import check_config
 from kv_offload.store.tiered import Location, TieredStore, layout_fingerprint
 
-from helpers.servers import shared_tier_options
+from helpers.servers import new_secret_file, shared_tier_options
 from unit.store.test_tiering import block_bytes, h, hybrid, wait_for_storage
 
 EXAMPLE = "kv_offload.backends.example:DictTier"
@@ -50,10 +50,11 @@ def test_valkey_and_s3_options_are_checked_without_connecting():
     pytest.importorskip("redis")
     pytest.importorskip("boto3")
     start = time.monotonic()
-    config = parse("valkey", {"url": NOWHERE, "key_prefix": "team-a:", "timeout_s": 0.5})
+    config = parse("valkey", {"url": NOWHERE, "key_prefix": "team-a:", "timeout_s": 0.5},
+                   trusted_store=True)
     assert config.storage_tier == "valkey" and config.storage_options["url"] == NOWHERE
     config = parse("s3", {"bucket": "kv", "bytes_to_use": "10GiB",
-                          "endpoint_url": "http://127.0.0.1:9"})
+                          "endpoint_url": "http://127.0.0.1:9"}, trusted_store=True)
     assert config.storage_options["bytes_to_use"] == "10GiB"  # parsed again by the tier
     assert time.monotonic() - start < 0.5
 
@@ -192,12 +193,12 @@ def test_the_filesystem_tier_by_either_spelling(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["valkey", "s3"])
-def test_tiered_store_serves_a_new_process_from_the_shared_tier(request, backend):
-    """Two TieredStores (two engines) on one server: the second has an empty host tier and
-    loads what the first stored, bit for bit, through the shared tier."""
+def test_tiered_store_serves_a_new_process_from_the_shared_tier(request, backend, tmp_path):
+    """Two TieredStores (two engines sharing a secret) on one server: the second has an
+    empty host tier and loads what the first stored, bit for bit, through the shared tier."""
     buffer, canonical = hybrid()
     options = shared_tier_options(backend, request, "tiered")
-    config = parse(backend, options)
+    config = parse(backend, options, secret_file=new_secret_file(tmp_path))
     fingerprint = layout_fingerprint(canonical, "test-model")
     first = TieredStore.from_config(canonical, config, fingerprint)
     expected = {(g, b): block_bytes(canonical, g, b) for g in (0, 1) for b in (1, 2)}

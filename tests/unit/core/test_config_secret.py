@@ -42,7 +42,7 @@ def test_a_secret_file_group_or_other_can_reach_is_refused_with_the_chmod_fix(tm
 
 def test_a_missing_secret_file_is_refused_with_how_to_create_one(tmp_path):
     missing = str(tmp_path / "nope")
-    with pytest.raises(ConfigError, match=r"secret_file .*does not exist.*openssl rand"):
+    with pytest.raises(ConfigError, match=r"secret_file .*does not exist.*kv-offload secret new"):
         parse(secret_file=missing)
 
 

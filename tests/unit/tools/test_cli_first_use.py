@@ -71,9 +71,9 @@ def test_an_unknown_flag_after_a_subcommand_shows_that_subcommands_usage(command
     assert f"kv-offload {command}: error: unrecognized arguments: --bogus" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["", *SUBCOMMANDS])
+@pytest.mark.parametrize("command", ["", *SUBCOMMANDS, "secret", "secret new"])
 def test_help_speaks_of_what_the_command_does_not_of_its_modules(command, tmp_path):
-    proc = kv_offload_cli(*([command] if command else []), "--help", cwd=tmp_path)
+    proc = kv_offload_cli(*command.split(), "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "usage: kv-offload" in proc.stdout
     for internal in ("report.", "kv_offload.tools", "`", "--child"):
