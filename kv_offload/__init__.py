@@ -28,6 +28,7 @@ from kv_offload.specs import (
     MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "MambaSpec",
     "RegistryError",
     "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "SpecError",
     "SpecMergeError",

@@ -13,12 +13,17 @@ from kv_offload.specs import (
     MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
 
 def _sliding_window(spec: KVCacheSpec) -> int:
     return spec.sliding_window  # type: ignore[attr-defined]
+
+
+def _replayed_window(spec: KVCacheSpec) -> tuple[int, bool]:
+    return spec.sliding_window, spec.bounded_replay  # type: ignore[attr-defined]
 
 
 def _chunk_size(spec: KVCacheSpec) -> int:
@@ -37,6 +42,9 @@ def register_builtin_specs() -> None:
     register(SinkFullAttentionSpec, uniform_base=FullAttentionSpec)
     register(SlidingWindowSpec, layout=attention_layout, hit_rule=hit_rules.SLIDING_WINDOW_HIT,
              uniform_key=_sliding_window)
+    # Its own group type, as in vLLM: a replayed window never shares a group with a stored one.
+    register(SlidingWindowMLASpec, layout=attention_layout,
+             hit_rule=hit_rules.SLIDING_WINDOW_MLA_HIT, uniform_key=_replayed_window)
     register(ChunkedLocalAttentionSpec, layout=attention_layout,
              hit_rule=hit_rules.CHUNKED_LOCAL_HIT, uniform_key=_chunk_size)
     register(CrossAttentionSpec, layout=attention_layout, hit_rule=hit_rules.NO_PREFIX_HIT)

@@ -12,6 +12,11 @@ stop)` for a run of cached blocks at once (the scheduler answers runs in C, so a
 scans forward should ask for runs).
 A rule may set `downward_closed = True` when every shorter prefix of a hit is
 also a hit (full attention); `hits.find_longest_cache_hit` then asks it once.
+
+A group the engine rebuilds itself after a hit (DeepSeek-V4.1's bounded replay, vLLM 0.33:
+it recomputes the hit's last window for that group) takes `ReplayedHit`: it accepts every
+hit length and loads nothing, so it neither bounds a hit nor is ever stored, as vLLM's own
+prefix cache leaves such groups out of its hit lookup.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from kv_offload.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kv_offload.specs import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 IsCached = Callable[[int], bool]
 
@@ -140,8 +150,39 @@ class NoPrefixHit:
         return range(0)
 
 
+class ReplayedHit:
+    """The engine recomputes this group's part of a hit (bounded replay): any hit length
+    suits it and it loads nothing, so no block of it is ever worth storing either."""
+
+    downward_closed = True
+
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
+        return max_blocks
+
+    def blocks_to_load(self, spec: KVCacheSpec, num_blocks: int) -> range:
+        return range(0)
+
+
+class SlidingWindowMLAHit:
+    """A sliding window over MLA latents hits like any sliding window, unless the engine
+    replays it (`bounded_replay`): then it is `ReplayedHit`."""
+
+    def longest_hit(self, spec: KVCacheSpec, is_cached: CachedBlocks, max_blocks: int) -> int:
+        return _mla_window_rule(spec).longest_hit(spec, is_cached, max_blocks)
+
+    def blocks_to_load(self, spec: KVCacheSpec, num_blocks: int) -> range:
+        return _mla_window_rule(spec).blocks_to_load(spec, num_blocks)
+
+
+def _mla_window_rule(spec: KVCacheSpec) -> HitRule:
+    replayed = isinstance(spec, SlidingWindowMLASpec) and spec.bounded_replay
+    return REPLAYED_HIT if replayed else SLIDING_WINDOW_HIT
+
+
 FULL_ATTENTION_HIT = FullAttentionHit()
 SLIDING_WINDOW_HIT = SlidingWindowHit()
 CHUNKED_LOCAL_HIT = ChunkedLocalHit()
 MAMBA_HIT = MambaHit()
 NO_PREFIX_HIT = NoPrefixHit()
+REPLAYED_HIT = ReplayedHit()
+SLIDING_WINDOW_MLA_HIT = SlidingWindowMLAHit()

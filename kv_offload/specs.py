@@ -65,6 +65,13 @@ class KVCacheSpec:
         """Bytes one block occupies (the padded page when padding is set)."""
         return self.real_page_size_bytes
 
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """Tokens at the end of a prefix hit that the engine recomputes for this layer
+        instead of reading them back (vLLM's name; only a bounded-replay
+        `SlidingWindowMLASpec` has any): such a layer is never stored nor loaded."""
+        return 0
+
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
         """One spec for a group: all layers of a group must agree exactly."""
@@ -157,6 +164,21 @@ class SlidingWindowSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require_positive(self, "sliding_window")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """A sliding window over MLA latents (DeepSeek-V4): one latent row of `head_size` per
+    token, no V. With `bounded_replay` (DeepSeek-V4.1, vLLM 0.33) the engine rebuilds the
+    window itself after a prefix hit by recomputing the hit's last `sliding_window`
+    tokens, so the layer's blocks are never stored nor loaded (`prefix_replay_tokens`)."""
+
+    head_size_v: int | None = 0
+    bounded_replay: bool = False
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.sliding_window if self.bounded_replay else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,6 +275,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @property
     def real_page_size_bytes(self) -> int:
         return sum(s.real_page_size_bytes for s in self.kv_cache_specs.values())
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return max(s.prefix_replay_tokens for s in self.kv_cache_specs.values())
 
     @property
     def page_size_bytes(self) -> int:

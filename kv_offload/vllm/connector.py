@@ -285,6 +285,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
         return self._contained("get_num_new_matched_tokens", lookup, (0, False))
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """vLLM 0.33: the groups our load restores. Never a bounded-replay group (we never
+        store one), so vLLM replays its window and zeroes its blocks; vLLM's default (the
+        prefix-cacheable groups) says the same, but this is what our loads write."""
+        return self._scheduler.restored_groups
+
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         self._contained(

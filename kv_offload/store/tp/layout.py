@@ -81,6 +81,7 @@ from kv_offload.specs import (
     CrossAttentionSpec,
     KVCacheSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     UniformTypeKVCacheSpecs,
 )
 
@@ -95,7 +96,7 @@ class TPMode(enum.Enum):
 
 def tp_mode(spec: KVCacheSpec) -> TPMode:
     """The storage mode of a group with this spec (see the module docstring)."""
-    if isinstance(spec, MLAAttentionSpec):
+    if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):  # (one latent, every rank)
         return TPMode.REPLICATED
     if isinstance(spec, CrossAttentionSpec):
         return TPMode.PER_SHAPE  # encoder states: never a reusable prefix

@@ -15,6 +15,16 @@ recomputes it (and this side offers that request no more hits). A hit loads in t
 that schedules its request when `InStepLoads` allows, else asynchronously. Blocks are
 stored in the step whose forward completes them, only those some future hit can load
 (`StoreFrontier`).
+
+Bounded-replay groups (DeepSeek-V4.1, vLLM 0.33: a spec's `prefix_replay_tokens` > 0) are
+never stored nor loaded, and `restored_groups` (what the connector answers to
+`get_loaded_kv_cache_group_ids`) leaves them out. vLLM's scheduler then replays the hit's
+last `prefix_replay_tokens` tokens for them, keeping the other groups' loaded KV, and drops
+any hit of at most that many tokens (`Scheduler.schedule`: `_load_restores_replay_window`,
+`_mark_prefix_replay`); so this side reports no such hit, and a longer one in full: the
+engine takes exactly what we report and every block we load is used. (Its other rule,
+flooring a hit to the scheduler's block size, never bites: our hits are multiples of every
+group's block size, and the engine's own hit it hands us is floored to that size already.)
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from itertools import compress
 from math import lcm
 from typing import Any
 
-from kv_offload.hits import StoreFrontier, find_longest_cache_hit
+from kv_offload.hits import CacheHit, StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import HOST_BIT, GroupBlocks, Location
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
@@ -93,8 +103,14 @@ class OffloadScheduler:
         self.world_size = world_size
         self.align = lcm(*(spec.block_size for spec in specs))
         self._min_block_size = min(spec.block_size for spec in specs)
+        # Groups the engine replays after a hit: never stored nor loaded, nor hashed (vLLM
+        # hashes at the gcd of the other groups' block sizes only).
+        self._replayed = frozenset(g for g, spec in enumerate(specs)
+                                   if spec.prefix_replay_tokens > 0)
+        self.replay_tokens = max(spec.prefix_replay_tokens for spec in specs)
+        self.restored_groups = tuple(g for g in range(len(specs)) if g not in self._replayed)
         for g, spec in enumerate(specs):
-            if spec.block_size % hash_block_size:
+            if g not in self._replayed and spec.block_size % hash_block_size:
                 raise ValueError(f"group {g} block size {spec.block_size} is not a multiple "
                                  f"of the hash block size {hash_block_size}")
         self._keys = RankKeys(world_size)  # where each rank holds each key
@@ -165,9 +181,14 @@ class OffloadScheduler:
 
     def _longest_hit(self, request: Any, num_computed_tokens: int):
         """The longest hit every rank can serve (loads larger than a host tier are staged
-        through it, so the host tier's size does not bound a hit)."""
-        return find_longest_cache_hit(self.specs, self._is_cached_fn(request),
-                                      request.num_tokens - 1)  # vLLM computes the last token
+        through it, so the host tier's size does not bound a hit), and that vLLM takes: with
+        a replayed group, none of at most `replay_tokens` (vLLM would drop it, and the
+        engine's own hit with it; see the module docstring)."""
+        hit = find_longest_cache_hit(self.specs, self._is_cached_fn(request),
+                                     request.num_tokens - 1)  # vLLM computes the last token
+        if hit.num_tokens <= self.replay_tokens:
+            return CacheHit(0, [[] for _ in self.specs])
+        return hit
 
     def _protect(self, request: Any, hit: Any) -> None:
         """Ask the workers to keep the blocks of a hit (`hit.blocks`, per group), whether we
@@ -317,8 +338,8 @@ class OffloadScheduler:
         hashes = request.block_hashes
         num_hashes = len(hashes)
         for g, spec in enumerate(self.specs):
-            if g in self._states.groups:
-                continue  # stored from vLLM's offers (_plan_state_stores)
+            if g in self._states.groups or g in self._replayed:
+                continue  # stored from vLLM's offers (_plan_state_stores), or never
             per_block = spec.block_size // self.hash_block_size
             block_ids = state.block_ids[g] if g < len(state.block_ids) else []
             full = min(computed_tokens // spec.block_size, num_hashes // per_block,
@@ -356,7 +377,7 @@ class OffloadScheduler:
         state.next_store_tokens = min(
             (frontier.next_hit_point * spec.block_size
              for g, (frontier, spec) in enumerate(zip(state.frontiers, self.specs))
-             if g not in self._states.groups), default=1 << 62)
+             if g not in self._states.groups and g not in self._replayed), default=1 << 62)
 
     def apply_worker_meta(self, meta: KVOffloadWorkerMetadata | None) -> None:
         """Apply the ranks' reports: O(keys changed)."""
@@ -509,6 +530,8 @@ class OffloadScheduler:
         """`is_cached(group, block)` for one lookup (each block's key: its last hash): held
         by every rank, or its store planned and not yet reported."""
         hashes = request.block_hashes
-        return HeldBlocks(self._keys, [hashes[spec.block_size // self.hash_block_size - 1::
-                                              spec.block_size // self.hash_block_size]
-                                       for spec in self.specs], self._lag.planned)
+        return HeldBlocks(self._keys, [
+            () if g in self._replayed else  # (never asked: its rule accepts any hit)
+            hashes[spec.block_size // self.hash_block_size - 1::
+                   spec.block_size // self.hash_block_size]
+            for g, spec in enumerate(self.specs)], self._lag.planned)

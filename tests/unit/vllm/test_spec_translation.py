@@ -1,4 +1,4 @@
-"""vLLM 0.32 KV-cache specs -> kv-offload specs, built from vLLM's real spec classes."""
+"""vLLM 0.32/0.33 KV-cache specs -> kv-offload specs, built from vLLM's real spec classes."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.v1 import kv_cache_interface as vkv  # noqa: E402
 
+from kv_offload import default_registry, find_longest_cache_hit  # noqa: E402
 from kv_offload import specs as ours  # noqa: E402
 from kv_offload.errors import ConfigError  # noqa: E402
+from kv_offload.hits import blocks_worth_storing  # noqa: E402
 from kv_offload.vllm.spec_translation import (  # noqa: E402
+    REFUSED,
+    TRANSLATED,
     register_vllm_spec,
     translate_groups,
     translate_spec,
@@ -194,3 +198,89 @@ def test_register_vllm_spec_makes_a_custom_type_work():
     # Only that exact class was registered: the other custom type is still refused.
     with pytest.raises(ConfigError, match="register_vllm_spec"):
         translate_spec(_HotCacheSpec(block_size=32, bytes_per_token=8), "g")
+
+
+# ---- every spec class vLLM defines: translated, or refused by name ----
+
+_HAS_BOUNDED_REPLAY = "bounded_replay" in {
+    f.name for f in dataclasses.fields(vkv.SlidingWindowMLASpec)}
+_MLA = dict(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+
+# One instance of each spec class vLLM's kv_cache_interface defines (vLLM 0.32 and 0.33).
+_EXAMPLES = {
+    "KVCacheSpec": lambda: vkv.KVCacheSpec(block_size=32),
+    "AttentionSpec": lambda: vkv.AttentionSpec(**ATTN),
+    "FullAttentionSpec": lambda: vkv.FullAttentionSpec(**ATTN),
+    "MLAAttentionSpec": lambda: vkv.MLAAttentionSpec(**_MLA),
+    "HiddenStateCacheSpec": lambda: vkv.HiddenStateCacheSpec(**_MLA),
+    "RSWASpec": lambda: vkv.RSWASpec(rswa_window=64, **ATTN),
+    "ChunkedLocalAttentionSpec": lambda: vkv.ChunkedLocalAttentionSpec(
+        attention_chunk_size=128, **ATTN),
+    "SlidingWindowSpec": lambda: vkv.SlidingWindowSpec(sliding_window=64, **ATTN),
+    "CircularBufferSpec": lambda: vkv.CircularBufferSpec(**ATTN),
+    "SlidingWindowMLASpec": lambda: vkv.SlidingWindowMLASpec(sliding_window=128, **_MLA),
+    "MambaSpec": lambda: vkv.MambaSpec(block_size=64, shapes=((3, 128),),
+                                       dtypes=(torch.bfloat16,)),
+    "EncoderOnlyAttentionSpec": lambda: vkv.EncoderOnlyAttentionSpec(**ATTN),
+    "CrossAttentionSpec": lambda: vkv.CrossAttentionSpec(**ATTN),
+    "SinkFullAttentionSpec": lambda: vkv.SinkFullAttentionSpec(sink_len=32, **ATTN),
+    "UniformTypeKVCacheSpecs": lambda: vkv.UniformTypeKVCacheSpecs(
+        block_size=32, kv_cache_specs={"l0": vkv.FullAttentionSpec(**ATTN)}),
+    "HiSparseHotSpec": lambda: vkv.HiSparseHotSpec(block_size=32, page_size=4096,
+                                                   blocks_per_request=4),
+    "HiSparseResidentSpec": lambda: vkv.HiSparseResidentSpec(block_size=32, page_size=4096),
+}
+_VLLM_SPEC_CLASSES = sorted(
+    (cls for cls in vars(vkv).values() if isinstance(cls, type)
+     and issubclass(cls, vkv.KVCacheSpec) and cls.__module__ == vkv.__name__),
+    key=lambda cls: cls.__name__)
+
+
+@pytest.mark.parametrize("vllm_cls", _VLLM_SPEC_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_spec_class_vllm_defines_is_translated_or_refused_by_name(vllm_cls):
+    name = vllm_cls.__name__
+    assert (name in TRANSLATED) != (name in REFUSED), (
+        f"vLLM's {name} must be in exactly one of spec_translation.TRANSLATED / REFUSED")
+    assert name in _EXAMPLES, f"a new vLLM spec class: add an example of {name} here"
+    vllm_spec = _EXAMPLES[name]()
+    assert type(vllm_spec) is vllm_cls
+    config = vkv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        vkv.KVCacheGroupSpec(layer_names=["layers.3", "layers.9"], kv_cache_spec=vllm_spec)])
+    if name in REFUSED:
+        with pytest.raises(ConfigError) as err:
+            translate_groups(config)
+        message = str(err.value)
+        assert name in message and "group 0" in message and "layers.3" in message
+        assert REFUSED[name] in message
+    else:
+        (group,) = translate_groups(config)
+        assert group.layer_names == ["layers.3", "layers.9"]
+        assert group.spec.page_size_bytes == vllm_spec.page_size_bytes
+
+
+def test_a_sliding_window_over_mla_latents_hits_like_a_sliding_window():
+    vllm_spec = vkv.SlidingWindowMLASpec(sliding_window=128, alignment=40960, **_MLA)
+    mine = translate_spec(vllm_spec, "g")
+    assert type(mine) is ours.SlidingWindowMLASpec and mine.head_size_v == 0
+    assert (mine.page_size_bytes, mine.real_page_size_bytes) == (
+        vllm_spec.page_size_bytes, vllm_spec.real_page_size_bytes)
+    assert mine.prefix_replay_tokens == 0
+    # Window 128 = 4 blocks: a hit at block 8 needs blocks 4..7 only.
+    hit = find_longest_cache_hit([mine], lambda g, i: i >= 4, 8 * 32 + 5)
+    assert (hit.num_tokens, hit.blocks) == (8 * 32, [[4, 5, 6, 7]])
+
+
+@pytest.mark.skipif(not _HAS_BOUNDED_REPLAY, reason="this vLLM's SlidingWindowMLASpec has no "
+                    "bounded_replay (DeepSeek-V4.1's replay groups)")
+def test_a_bounded_replay_window_neither_bounds_nor_loads_a_hit_and_is_never_stored():
+    replayed = vkv.SlidingWindowMLASpec(sliding_window=128, bounded_replay=True, **_MLA)
+    specs = [translate_spec(vkv.FullAttentionSpec(**ATTN), "g0"),
+             translate_spec(replayed, "g1")]
+    assert specs[1].prefix_replay_tokens == replayed.prefix_replay_tokens == 128
+    # Nothing of the replayed group is cached, yet the full-attention prefix is the hit.
+    hit = find_longest_cache_hit(specs, lambda g, i: g == 0 and i < 6, 10 * 32)
+    assert (hit.num_tokens, hit.blocks) == (6 * 32, [list(range(6)), []])
+    assert blocks_worth_storing(specs[1], 10) == []
+    # A replayed window never shares a group with a stored one.
+    plain = translate_spec(vkv.SlidingWindowMLASpec(sliding_window=128, **_MLA), "g2")
+    assert not default_registry.is_uniform([specs[1], plain])
