@@ -35,9 +35,10 @@ What this costs: a directory is stale only once this process has watched it unch
 the whole timeout, so a tier that just started evicts nothing for one ``heartbeat_timeout_s``;
 a directory whose heartbeat stopped is walked from then on and needs its files to stay
 unchanged one more timeout (an engine of an older version may still use a directory a
-newer one left). A dead directory is thus reclaimed one to two timeouts after this process
-first looked at it, at the earliest. Files this tier deleted from a stale directory do not
-count as a change (``FileWatch.excuse``).
+newer one left). So a dead directory is reclaimed, at the earliest, two timeouts after its
+heartbeat stopped or this process first looked at it, whichever is later (one timeout for a
+directory without a heartbeat). Files this tier deleted from a stale directory do not count
+as a change when the survey right after the eviction sees it (``FileWatch.excuse``).
 
 Cost: a live tier writes the bytes it holds into its heartbeat, so the others read one small
 file per live directory instead of stating its every file (8 ranks of a million files each

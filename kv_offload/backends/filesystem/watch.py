@@ -50,17 +50,19 @@ class FileWatch:
         if seen is None:
             self._seen[name] = _Sighting(signature, now)
             return 0.0
+        excused = name in self._excused
+        self._excused.discard(name)  # (one observation only: never a real change masked later)
         if seen.signature != signature:
             seen.signature = signature
-            if name in self._excused:  # (our own change: the quiet time goes on)
-                self._excused.discard(name)
-            else:
+            if not excused:  # (an excused one is our own change: the quiet time goes on)
                 seen.since = now
         return now - seen.since
 
     def excuse(self, name: str) -> None:
-        """The next change of ``name`` is this process's own doing (e.g. it deleted files of
-        a quiet directory): it does not restart the quiet time."""
+        """A change of ``name`` seen at its next observation is this process's own doing (it
+        deleted files of a quiet directory just before): it does not restart the quiet time.
+        Only the next observation: if it does not show the change yet, the change counts
+        when it shows (a longer wait, never an early verdict)."""
         if name in self._seen:
             self._excused.add(name)
 
