@@ -7,10 +7,15 @@ GET; HTTP: GET of an object) gets a reply header and then one byte every ``inter
 at most ``trickle_for_s`` (then the connection is closed, so a client without a deadline
 ends eventually and its test fails on time instead of hanging). Each byte arrives well within
 any per-read socket timeout: only a bound on the whole request ends such a read early.
+
+`StallingS3Server` is the other shape of a stuck endpoint: it keeps what is PUT and serves
+it back, but while ``stalled`` is set an object GET gets its reply header and then no byte
+at all, until the test clears it (the real S3 server a test runs cannot stall on demand).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,7 +63,10 @@ def _read_command(rfile) -> list[bytes] | None:
 
 
 class _Serving:
-    """A loopback socket server run on a daemon thread, as a context manager."""
+    """A loopback socket server run on a daemon thread, as a context manager; ``stop`` is
+    set when it ends (its handlers' waits end with it)."""
+
+    stop: threading.Event
 
     def _serve(self, server) -> None:
         server.daemon_threads = True
@@ -69,7 +77,7 @@ class _Serving:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.trickle.stop.set()
+        self.stop.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -79,6 +87,7 @@ class TrickleRespServer(_Serving):
 
     def __init__(self, interval_s: float = 0.2, trickle_for_s: float = 20.0) -> None:
         trickle = self.trickle = _Trickle(interval_s, trickle_for_s)
+        self.stop = trickle.stop
 
         class Handler(StreamRequestHandler):
             def handle(self) -> None:
@@ -128,6 +137,7 @@ class TrickleS3Server(_Serving):
 
     def __init__(self, interval_s: float = 0.2, trickle_for_s: float = 20.0) -> None:
         trickle = self.trickle = _Trickle(interval_s, trickle_for_s)
+        self.stop = trickle.stop
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -157,6 +167,66 @@ class TrickleS3Server(_Serving):
                 self.end_headers()
                 trickle.drip(self.wfile)
                 self.close_connection = True
+
+        self._serve(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class StallingS3Server(_Serving):
+    """An HTTP server on 127.0.0.1 that keeps PUT objects in memory and serves ranged GETs
+    of them, except that while ``stalled`` is set a GET sends its reply header and then
+    stalls (no body byte) until the stall is lifted or ``stall_for_s`` passed, and drops
+    the connection (a context manager)."""
+
+    def __init__(self, stall_for_s: float = 20.0) -> None:
+        self.stalled = threading.Event()
+        self.object_gets = 0  # GETs of an object that reached the server
+        self.stop = threading.Event()
+        objects: dict[str, bytes] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+                objects[self.path.split("?")[0]] = self.rfile.read(
+                    int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("ETag", '"0"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:  # noqa: N802
+                if "list-type=2" in self.path:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(LISTING)))
+                    self.end_headers()
+                    self.wfile.write(LISTING)
+                    return
+                server.object_gets += 1
+                stored = objects.get(self.path.split("?")[0], b"")
+                asked = re.fullmatch(r"bytes=0-(\d+)", self.headers.get("Range", ""))
+                part = stored[:int(asked[1]) + 1] if asked else stored
+                self.send_response(206)
+                self.send_header("Content-Length", str(len(part)))
+                self.send_header("Content-Range", f"bytes 0-{len(part) - 1}/{len(stored)}")
+                self.end_headers()
+                if server.stalled.is_set():
+                    self.wfile.flush()
+                    end = time.monotonic() + stall_for_s
+                    while (server.stalled.is_set() and time.monotonic() < end
+                           and not server.stop.wait(0.05)):
+                        pass
+                    self.close_connection = True  # (the body never comes)
+                    return
+                self.wfile.write(part)
 
         self._serve(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
 

@@ -31,13 +31,17 @@ class FilesystemTierConfig:
     fsync: bool = option("bool", False, "fsync file and directory on every write")
     rescan_interval_s: float = option("seconds", 5.0, "seconds between scans for other "
                                                       "processes' files (0: never)")
-    stale_temp_s: float = option("seconds", 600.0, "sweep another host's temporary files "
-                                                   "older than this")
-    # A layout directory whose heartbeat (and newest file) is older than this is no live
-    # tier's: it may be evicted when the root is over budget. Tiers touch their heartbeat at
-    # every rescan and at least every quarter of this. Use one value for all tiers of a root.
-    heartbeat_timeout_s: float = option("seconds", 120.0, "a layout directory without a "
-                                                          "heartbeat for this long is evictable")
+    # Timed by how long this tier saw a file unchanged (its monotonic clock), never by the
+    # file's mtime against a clock (directory.py, watch.py).
+    stale_temp_s: float = option("seconds", 600.0, "sweep temporary files this tier saw "
+                                                   "unchanged for this long")
+    # A layout directory whose heartbeat (and files) this tier saw unchanged for this long
+    # is no live tier's: it may be evicted when the root is over budget. Tiers touch their
+    # heartbeat at every rescan and at least every quarter of this. Use one value for all
+    # tiers of a root.
+    heartbeat_timeout_s: float = option("seconds", 120.0, "a layout directory whose "
+                                                          "heartbeat stayed unchanged for "
+                                                          "this long is evictable")
     codec: RecordCodec = CHECKSUM  # given by the connector (secret_file), not an option
 
     def __post_init__(self) -> None:

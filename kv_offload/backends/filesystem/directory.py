@@ -2,9 +2,14 @@
 
 Scans (``fanout_scan``) list file names (the name encodes the key; each header is validated
 when the file is read). Temporary files left by a writer that died are removed: at once when
-the writer was a process on this host that no longer exists, after ``stale_temp_s`` seconds
-when it ran on another host (shared filesystems), since a live writer elsewhere may still be
-about to rename it (`is_stale_temp`).
+the writer was a process on this host that no longer exists (its name holds the host and
+pid), else once this process has seen the file stay unchanged (inode, mtime, size) for
+``stale_temp_s`` seconds of its own monotonic clock (shared filesystems: a live writer
+elsewhere may still be about to rename it; `is_stale_temp`). Its mtime is never compared
+with a clock: a wall clock that jumps, or another host whose clock is skewed, would make a
+file being written look older than it is and sweep it from under its writer. The cost: a
+process that just started sweeps another host's leftovers only ``stale_temp_s`` after its
+first listing of them.
 """
 
 from __future__ import annotations
@@ -82,11 +87,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def is_stale_temp(name: str, mtime: float, host: str, stale_temp_s: float, now: float) -> bool:
+def is_stale_temp(name: str, host: str, unchanged_s: float, stale_temp_s: float) -> bool:
+    """Whether the temporary file ``name`` may be removed: its writer was a process of this
+    host (``host``) that is gone, or it has stayed unchanged for more than ``stale_temp_s``
+    (``unchanged_s``: as timed by the caller's ``FileWatch``, on its monotonic clock)."""
     owner = parse_temp_file_name(name)
     if owner is None:
         return False
     pid, owner_host = owner
     if owner_host == host and pid != os.getpid() and not _pid_alive(pid):
-        return True
-    return now - mtime > stale_temp_s
+        return True  # (the fast path: no wait for a writer known to be dead)
+    return unchanged_s > stale_temp_s

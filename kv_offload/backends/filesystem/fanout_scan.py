@@ -30,7 +30,8 @@ How, and why it is safe:
 - Rotation: every scan also re-lists ``REVALIDATE_PER_SCAN`` fan-out directories whatever
   their mtime, so anything a mtime could hide (clock skew on a shared filesystem, an NFS
   attribute cache) is found within ``256 / REVALIDATE_PER_SCAN`` scans, and stale temporary
-  files of other hosts in quiet directories are swept.
+  files of other hosts in quiet directories are swept. (A temporary file is timed from the
+  first listing that saw it: each `_Fanout` keeps a ``FileWatch`` of its temporary files.)
 
 Not noticed: a file rewritten in place with another size under the same name (our writers
 rename new files into place, and the same key always names the same bytes); a read of a file
@@ -57,6 +58,7 @@ from kv_offload.backends.filesystem.fileformat import (
     key_from_file_name,
 )
 from kv_offload.backends.filesystem.io_engine import unlink_quietly
+from kv_offload.backends.filesystem.watch import FileWatch
 
 SETTLE_S = 2.0  # a directory changed less than this before its listing is listed again
 REVALIDATE_PER_SCAN = 8  # fan-out dirs re-listed per scan whatever their mtime (256/8 = 32)
@@ -70,6 +72,9 @@ class _Fanout:
     # Keys, as a dict of None values: the garbage collector untracks dicts of bytes -> None,
     # so 300k known keys cost its collections nothing (a set is always tracked).
     keys: dict[bytes, None] = field(default_factory=dict)
+    # Temporary files listed here, timed by how long they stayed unchanged on our clock
+    # (directory.is_stale_temp: their mtimes are never compared with a clock).
+    temps: FileWatch = field(default_factory=FileWatch)
 
 
 @dataclass
@@ -150,11 +155,13 @@ class FanoutScanner:
         except OSError:
             entries = []
         known, listed = state.keys, {}
+        temps = []
         for entry in entries:
             key = key_from_file_name(entry.name)
             if key is None:
                 if entry.name.startswith(TEMP_PREFIX):
-                    found.swept += self._sweep_temp(entry, now)
+                    temps.append(entry.name)
+                    found.swept += self._sweep_temp(entry, state.temps)
                 continue  # not ours: never stat-ed
             if key in known:
                 listed[key] = None  # (a known name: no stat)
@@ -170,15 +177,17 @@ class FanoutScanner:
                 found.added.add(key, info.st_size, info.st_mtime)
         found.vanished.extend(key for key in known if key not in listed)
         state.keys = listed
+        state.temps.keep_only(temps)  # (swept ones are forgotten at the next listing)
         # Trust the mtime only if it is older than a clock tick or two (module docstring).
         settled = st is not None and now - st.st_mtime > SETTLE_S
         state.mtime_ns = st.st_mtime_ns if settled else None
 
-    def _sweep_temp(self, entry: os.DirEntry, now: float) -> int:
+    def _sweep_temp(self, entry: os.DirEntry, watch: FileWatch) -> int:
         try:
-            mtime = entry.stat(follow_symlinks=False).st_mtime
+            st = entry.stat(follow_symlinks=False)
         except OSError:
             return 0
-        if is_stale_temp(entry.name, mtime, self._host, self._stale_temp_s, now):
+        unchanged_s = watch.unchanged_for(entry.name, (st.st_ino, st.st_mtime_ns, st.st_size))
+        if is_stale_temp(entry.name, self._host, unchanged_s, self._stale_temp_s):
             return int(unlink_quietly(entry.path))
         return 0

@@ -39,6 +39,7 @@ from kv_offload.backends.filesystem.root_budget import (
     fit_root,
     touch_heartbeat,
 )
+from kv_offload.backends.filesystem.watch import FileWatch
 from kv_offload.runtime.affinity import join_our_cpus
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class Rescanner:
         self._scanner = FanoutScanner(layout_dir, host, config.stale_temp_s)
         # Sizes of the directories outside ours, re-counted where a directory mtime moved.
         self._sizes = TreeSizes(frozenset({HEARTBEAT_NAME}))
+        # What this tier saw of the other layout directories: liveness is judged by their
+        # changes on our monotonic clock, never by their file times (root_budget).
+        self._watch = FileWatch()
         self._inventoried = False  # whether the first (full) listing was merged
         self._starved = False  # whether the last rescan left this tier no room at all
 
@@ -121,7 +125,7 @@ class Rescanner:
         config = self._config
         fit = fit_root(
             config.root_dir, self._layout_dir, config.bytes_to_use, self._index.used_bytes,
-            config.heartbeat_timeout_s, self._sizes,
+            config.heartbeat_timeout_s, self._sizes, self._watch,
         )
         self.root = fit.survey
         self._index.set_budget(fit.share_bytes)

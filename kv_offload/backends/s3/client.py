@@ -3,6 +3,8 @@
 Contents:
 - `make_client(config)`: an S3 client with the tier's timeouts, retries and connection pool.
 - `parse_timestamp`: the timestamp parser its responses use.
+- `read_body(reply, limit)`: at most ``limit`` bytes of a GET reply's body, the body closed
+  after, a failure raised as botocore's error (see its docstring for why not a with-block).
 - `endpoint_cache_advice(version)`: what to say of a botocore that resolves the endpoint
   per object key (before 1.43.14: every request evaluates S3's whole endpoint rule set, 5
   to 27% of its CPU here, by how it was measured; boto/botocore#3692). The `s3` extra
@@ -54,6 +56,23 @@ def parse_timestamp(value: str) -> datetime:
         return datetime.fromisoformat(value)  # (Python 3.11+: accepts the trailing "Z")
     except (TypeError, ValueError):
         return botocore_timestamp(value)
+
+
+def read_body(reply: dict, limit: int) -> bytes:
+    """At most ``limit`` bytes of a ``get_object`` reply's body; the body is closed after
+    (what is unread past ``limit`` never comes: the connection is dropped, not drained).
+
+    Not ``with reply["Body"] as stream``: botocore's ``StreamingBody.__enter__`` returns the
+    raw urllib3 response, whose failures are urllib3's own exceptions (``ReadTimeoutError``,
+    ``ProtocolError``: neither an ``OSError`` nor a ``BotoCoreError``), so a body that
+    stalls past the request deadline looked like a bug (a traceback, no outage) instead of
+    the endpoint's trouble. ``StreamingBody.read`` raises botocore's ``ReadTimeoutError`` /
+    ``ResponseStreamingError`` for them, which callers handle like any other timeout."""
+    body = reply["Body"]
+    try:
+        return body.read(limit)
+    finally:
+        body.close()
 
 
 def make_client(config: S3TierConfig):

@@ -65,6 +65,9 @@ def read_limit(range_header: str | None) -> int:
 
 def serve(channel, s3, request_deadline, errors: tuple[type, type]) -> None:
     """Answer one channel's requests until it closes."""
+    # (imported here, like main's imports: only once `_bare_packages` made it importable)
+    from kv_offload.backends.s3.client import read_body
+
     client_error, botocore_error = errors
     while True:
         try:
@@ -79,9 +82,9 @@ def serve(channel, s3, request_deadline, errors: tuple[type, type]) -> None:
                 raise ValueError(f"the S3 helper does not run {method!r}")
             with request_deadline(timeout_s):
                 reply = getattr(s3, method)(**kwargs)
-                if method == "get_object":
-                    with reply.pop("Body") as stream:  # (closed unread past the limit)
-                        body = stream.read(read_limit(kwargs.get("Range")))
+                if method == "get_object":  # (a stalled body: a botocore_error answer)
+                    body = read_body(reply, read_limit(kwargs.get("Range")))
+                    del reply["Body"]
             answer = ("ok", reply)
         except client_error as e:
             answer = ("client_error", (e.response, e.operation_name))

@@ -31,7 +31,8 @@
   (remote_client.py; ``helper_process: false``: in this process); every request is bounded
   by ``request_timeout_s`` as a whole however slowly the endpoint sends (common/deadline.py), an
   unreachable endpoint makes later jobs fail fast for ``retry_interval_s`` (``Outage``),
-  one log line per episode.
+  one log line per episode. A reply whose body stalls after its header is such a timeout
+  too: bodies are read through ``client.read_body``, which raises botocore's errors.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from kv_offload.backends.record import (
     pack,
     unpack_into,
 )
-from kv_offload.backends.s3.client import make_client
+from kv_offload.backends.s3.client import make_client, read_body
 from kv_offload.backends.s3.config import S3TierConfig
 from kv_offload.backends.s3.keys import BucketKeys
 from kv_offload.backends.s3.listing import PrefixListing
@@ -229,7 +230,7 @@ class S3Tier(StorageTier):
             if _code(e) in ("InvalidRange", "416"):  # an empty object
                 return b""
             raise
-        return reply["Body"].read(1 << 16)
+        return read_body(reply, 1 << 16)
 
     def write_generation(self, record: bytes) -> bool:
         try:  # (a plain put: replaces it)
@@ -345,8 +346,8 @@ class S3Tier(StorageTier):
             reply = self._s3.get_object(Bucket=self.config.bucket, Key=self._name(key),
                                         Range=f"bytes=0-{want - 1}")
             held = _object_size(reply)
-            with reply["Body"] as stream:  # (closed unread past `want`: the rest never comes)
-                body = stream.read(min(want, reply.get("ContentLength", want)))
+            # (a body that stalls past the deadline: botocore's ReadTimeoutError, below)
+            body = read_body(reply, min(want, reply.get("ContentLength", want)))
             self._outage.succeeded()
             codec = self.config.codec
             if held != want:  # only its start was read

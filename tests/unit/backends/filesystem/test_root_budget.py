@@ -2,7 +2,10 @@
 stale ones are evicted oldest files first, live ones are never touched and share the budget.
 
 Two tiers of different fingerprints share one real root. "Stale" is made the way it happens:
-the tier is closed and its heartbeat and files are an hour old (set with utime).
+the tier is closed, and the surviving tier (with a short ``heartbeat_timeout_s``) watches its
+directory stay unchanged for that long. Liveness never reads a file time against a clock:
+directories whose heartbeat keeps changing stay live however far their time stamps are skewed
+into the past, and dead ones go however far into the future (set with utime).
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ import os
 import shutil
 import time
 
+import pytest
 import torch
 
 from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig
 from kv_offload.backends.filesystem.fileformat import data_offset, layout_dir_name
-from kv_offload.backends.filesystem.root_budget import HEARTBEAT_NAME
+from kv_offload.backends.filesystem.root_budget import HEARTBEAT_NAME, touch_heartbeat
 
 from helpers.tier_helpers import chunk, read, write
 
 SIZE = 8192
+WINDOW = 0.4  # heartbeat_timeout_s of the tier that judges the others (fast tests)
 FILE = data_offset(b"chunk-0", "new", SIZE) + SIZE  # the same for both fingerprints below
 
 
@@ -59,6 +64,17 @@ def age(root, fingerprint: str, seconds: float) -> None:
         os.utime(path, (then - 100 + i, then - 100 + i))
 
 
+def watch_for(tier: FilesystemTier, seconds: float, beat=None) -> None:
+    """Rescan ``tier`` every 50 ms for ``seconds`` (each rescan is an observation of the
+    other directories); ``beat``, if given, runs before each (another engine's heartbeat)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if beat is not None:
+            beat()
+        tier.rescan()
+        time.sleep(0.05)
+
+
 def stored_chunks(root, fingerprint: str) -> list[int]:
     names = [os.path.basename(p).split(".")[0] for p in files_of(root, fingerprint)]
     return sorted(int(bytes.fromhex(n).decode().split("-")[1]) for n in names)
@@ -71,7 +87,11 @@ def test_a_stale_layout_directory_is_evicted_oldest_files_first_when_the_root_is
     store(old, *range(6))
     old.close()
     age(tmp_path, "old", 3600)
-    new = make_tier(tmp_path, "new", 8 * FILE)
+    new = make_tier(tmp_path, "new", 8 * FILE, heartbeat_timeout_s=WINDOW)
+    # (never watched yet: live, whatever its time stamps say)
+    assert new.stats().live_foreign_dirs == 1
+    # Its heartbeat stopped: one window; then its files are watched unchanged: another.
+    watch_for(new, 2 * WINDOW + 0.2)
     assert new.stats().foreign_bytes >= 6 * FILE and new.stats().live_foreign_dirs == 0
     store(new, *range(100, 104))  # the stale bytes do not shrink the new tier's share
     assert stored_chunks(tmp_path, "old") == list(range(6))  # not over budget yet: kept
@@ -91,10 +111,11 @@ def test_a_stale_layout_directory_is_evicted_oldest_files_first_when_the_root_is
 def test_a_live_foreign_directory_is_never_deleted_and_the_live_tiers_split_the_budget(
     tmp_path,
 ):
-    first = make_tier(tmp_path, "old", 8 * FILE)
+    # (`first` beats every quarter of its timeout: live to `late` however long this takes)
+    first = make_tier(tmp_path, "old", 8 * FILE, heartbeat_timeout_s=2 * WINDOW)
     store(first, *range(8))  # alone under the root: the whole budget is its share
     first.rescan()  # (its heartbeat says what it holds: others read that, not its files)
-    late = make_tier(tmp_path, "new", 8 * FILE)
+    late = make_tier(tmp_path, "new", 8 * FILE, heartbeat_timeout_s=2 * WINDOW)
     assert late.stats().live_foreign_dirs == 1
     assert late.stats().share_bytes == 4 * FILE  # its fair half, although `first` holds all
     store(late, *range(100, 106))  # room for four: it evicts its own least recent keys
@@ -107,9 +128,9 @@ def test_a_live_foreign_directory_is_never_deleted_and_the_live_tiers_split_the_
     assert stored_chunks(tmp_path, "old") == [4, 5, 6, 7]
     assert all(reads_back(first, i) for i in range(4, 8))
 
-    first.close()  # the other engine stops; an hour later its directory is stale
+    first.close()  # the other engine stops; once watched unchanged, its directory is stale
     age(tmp_path, "old", 3600)
-    late.rescan()
+    watch_for(late, 4 * WINDOW + 0.2)
     assert late.stats().share_bytes == 8 * FILE
     store(late, 106, 107)
     late.rescan()  # 6 + 4 files under an 8-file budget: the two oldest stale files go
@@ -130,13 +151,14 @@ def test_files_that_are_not_ours_count_against_the_budget_and_are_kept(tmp_path)
     tier.close()
 
 
-def test_a_directory_of_an_older_format_counts_as_live_while_its_files_are_fresh(tmp_path):
-    """Engines of older versions write no heartbeat: fresh files mean someone still uses it."""
+def test_a_directory_of_an_older_format_counts_as_live_while_its_files_change(tmp_path):
+    """Engines of older versions write no heartbeat: files that keep changing mean someone
+    still uses it."""
     legacy = tmp_path / "kv-v0-0123456789abcdef" / "ab"
     legacy.mkdir(parents=True)
     for i in range(4):
         (legacy / f"{i:02x}.safetensors").write_bytes(b"\0" * FILE)
-    tier = make_tier(tmp_path, "new", 6 * FILE)
+    tier = make_tier(tmp_path, "new", 6 * FILE, heartbeat_timeout_s=WINDOW)
     store(tier, *range(4))
     tier.rescan()
     assert len(os.listdir(legacy)) == 4 and tier.stats().live_foreign_dirs == 1
@@ -144,7 +166,7 @@ def test_a_directory_of_an_older_format_counts_as_live_while_its_files_are_fresh
     then = time.time() - 3600
     for i, name in enumerate(sorted(os.listdir(legacy))):
         os.utime(legacy / name, (then + i, then + i))
-    tier.rescan()  # now stale: its bytes no longer come off this tier's share
+    watch_for(tier, WINDOW + 0.2)  # now stale: its bytes no longer come off this tier's share
     assert tier.stats().share_bytes == 6 * FILE and tier.stats().live_foreign_dirs == 0
     store(tier, 4, 5)
     tier.rescan()  # 5 + 4 files under a 6-file budget: the three oldest legacy files go
@@ -222,3 +244,38 @@ def test_a_live_tier_is_sized_by_its_heartbeat_without_walking_its_files(tmp_pat
     tier.rescan()
     assert tier.stats().foreign_bytes == FILE
     tier.close()
+
+
+@pytest.mark.parametrize("skew_s", [-86400, 86400], ids=["a-day-behind", "a-day-ahead"])
+def test_a_beating_directory_is_never_evicted_however_skewed_its_times_and_a_dead_one_is(
+    tmp_path, skew_s,
+):
+    """Another engine on a host whose clock is a day behind (or ahead) on a shared
+    filesystem where clients stamp the times: its heartbeat and files carry those stamps.
+    While its heartbeat keeps changing its directory is never evicted, even with the root
+    over budget; once it stops, the directory goes after it was watched unchanged."""
+    old = make_tier(tmp_path, "old", 1 << 30)
+    store(old, *range(6))
+    old.close()
+    layout = os.path.join(str(tmp_path), layout_dir_name("old"))
+
+    def beat() -> None:  # (the other engine's heartbeat, stamped by its clock)
+        touch_heartbeat(layout, 6 * FILE)
+        then = time.time() + skew_s
+        os.utime(os.path.join(layout, HEARTBEAT_NAME), (then, then))
+
+    age(tmp_path, "old", -skew_s)
+    new = make_tier(tmp_path, "new", 8 * FILE, heartbeat_timeout_s=WINDOW)
+    store(new, *range(100, 104))  # with the other's 6 files, over budget: 10 of 8
+    watch_for(new, 3 * WINDOW, beat)
+    assert stored_chunks(tmp_path, "old") == list(range(6))
+    assert new.stats().live_foreign_dirs == 1 and new.stats()["foreign_files_evicted"] == 0
+    stopped = time.monotonic()
+    deadline = stopped + 10
+    while stored_chunks(tmp_path, "old") == list(range(6)):  # the engine is gone
+        assert time.monotonic() < deadline, "a dead directory was kept"
+        new.rescan()
+        time.sleep(0.05)
+    assert time.monotonic() - stopped >= WINDOW  # (not before it was watched unchanged)
+    assert stored_chunks(tmp_path, "old") == [2, 3, 4, 5]  # the two oldest went
+    new.close()

@@ -100,7 +100,13 @@ def test_a_chunk_larger_than_the_budget_fails_alone(tmp_path):
     tier.close()
 
 
-def test_temporary_files_of_dead_writers_are_swept_at_start(tmp_path):
+def test_temporary_files_of_dead_writers_here_go_at_start_and_others_once_left_unchanged(
+    tmp_path,
+):
+    """A writer of this host that is gone leaves a temporary file that is swept at once; any
+    other is swept only once this tier saw it unchanged for ``stale_temp_s``, whatever its
+    time stamp says (another host's clock may be a day off either way), and never while it
+    is still being written."""
     tier = make_tier(tmp_path)
     stored(tier, 0)
     tier.close()
@@ -113,18 +119,34 @@ def test_temporary_files_of_dead_writers_are_swept_at_start(tmp_path):
         names = {
             "dead writer here": temp_file_name(int(dead.stdout), "a", host),
             "live writer here": temp_file_name(alive.pid, "b", host),
-            "fresh, other host": temp_file_name(1, "c", "elsewhere"),
-            "old, other host": temp_file_name(1, "d", "elsewhere"),
+            "a day behind, left": temp_file_name(1, "c", "elsewhere"),
+            "a day ahead, left": temp_file_name(1, "d", "elsewhere"),
+            "a day behind, being written": temp_file_name(1, "e", "elsewhere"),
         }
-        for name in names.values():
+        for label, name in names.items():
             with open(os.path.join(fanout, name), "wb") as f:
                 f.write(b"partial")
-        old = time.time() - 3600
-        os.utime(os.path.join(fanout, names["old, other host"]), (old, old))
-        again = make_tier(tmp_path, stale_temp_s=600)
+            then = time.time() + (86400 if "ahead" in label else -86400)
+            os.utime(os.path.join(fanout, name), (then, then))
+        stale_temp_s = 0.4
+        again = make_tier(tmp_path, stale_temp_s=stale_temp_s)
+        started = time.monotonic()
         left = {os.path.basename(p) for p in temp_files(str(tmp_path))}
-        assert left == {names["live writer here"], names["fresh, other host"]}
-        assert again.stats()["temp_files_swept"] == 2
+        assert left == set(names.values()) - {names["dead writer here"]}
+        assert again.stats()["temp_files_swept"] == 1
+        being_written = os.path.join(fanout, names["a day behind, being written"])
+        deadline = started + 15
+        while again.stats()["temp_files_swept"] < 4:
+            assert time.monotonic() < deadline, "temporary files left unchanged were kept"
+            with open(being_written, "ab") as f:  # (its writer, stamping a day behind)
+                f.write(b"more")
+            then = time.time() - 86400
+            os.utime(being_written, (then, then))
+            again.rescan()
+            time.sleep(0.05)
+        assert time.monotonic() - started >= stale_temp_s
+        left = {os.path.basename(p) for p in temp_files(str(tmp_path))}
+        assert left == {names["a day behind, being written"]}
         assert reads_back(again, 0)
         again.close()
     finally:
