@@ -93,6 +93,11 @@ class OffloadConfig:
     cut per layer (kv_offload/vllm/worker/layers.py). Off by default: on vLLM CPU our copy
     threads then compete with the forward for the same cores, and host hits measured slower
     than whole-step copies (README, "Benchmarks")."""
+    remote_wait_s: float = 5.0
+    """Prefill/decode disaggregation: the longest a decode server's request waits for the
+    blocks a prefill server promised in kv_transfer_params (then it loads what is there and
+    recomputes the rest). The request waits in vLLM's queue holding no engine blocks; every
+    other request keeps running."""
     model_identity: str | None = None
     """The model's identity as the operator names it (e.g. a deploy version), in place of the
     digest of every byte of its weight files: it must change whenever the weights do. Needed
@@ -178,6 +183,14 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
                               f"(0: reads from the storage tier always load asynchronously), "
                               f"got {seconds!r}")
         values["in_step_read_s"] = float(seconds)
+    if "remote_wait_s" in extra:
+        seconds = extra["remote_wait_s"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
+                not 0 <= seconds <= 600:
+            raise ConfigError(f"remote_wait_s must be a number of seconds from 0 to 600 (how "
+                              f"long a decode server waits for a prefill server's blocks), "
+                              f"got {seconds!r}")
+        values["remote_wait_s"] = float(seconds)
     if "copy_timeout_s" in extra:
         seconds = extra["copy_timeout_s"]
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \

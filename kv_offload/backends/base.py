@@ -200,6 +200,14 @@ class StorageTier(ABC):
         I/O, on the engine's step path; keys not held are ignored. Default: nothing (right
         for a tier whose server evicts by its own policy, e.g. Valkey's ``maxmemory-policy``)."""
 
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        """Ask the store itself, not this tier's view, whether it holds ``keys`` now, and
+        adopt those it holds into the view (then `lookup` answers True for them and
+        `take_changes` reports them, as for keys a refresh found). Bounded I/O; called from
+        the worker's own thread, never on the engine's step path. Default: `lookup` (the
+        view only)."""
+        return self.lookup(keys)
+
     def read_generation(self) -> bytes | None:
         """The generation record last written with ``write_generation`` by any process
         sharing this tier (opaque bytes: the caller seals and checks them), or None. Called

@@ -184,6 +184,24 @@ class TieredStore:
         """Where each key can be loaded from (never touches the storage tier)."""
         return self.tiers.lookup(keys)
 
+    def keys_to_find(self, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """The storage tier's names of those of `keys` it is not known to hold (nor host
+        memory): what `find_in_storage` should ask it about. From memory only."""
+        if self.storage is None:
+            return []
+        unknown = [k for k, where in zip(keys, self.tiers.lookup(keys), strict=True)
+                   if where is Location.ABSENT]
+        return self.tiers.storage_keys(unknown)
+
+    def find_in_storage(self, names: Sequence[bytes]) -> None:
+        """Ask the storage tier itself whether it holds `names` now (another engine may
+        have just stored them: `StorageTier.find`); those it holds reach `take_changes` as
+        keys its refresh finds do. Bounded I/O, off the step path (the worker's finder
+        thread); a fault is the caller's to contain."""
+        storage = self.storage
+        if storage is not None and names:
+            storage.find(names)
+
     def take_changes(self, max_keys: int) -> KeyChanges:
         """Keys whose location changed since the last call, at most `max_keys` (O(changes))."""
         self._absorb_host_events()

@@ -42,6 +42,7 @@ from kv_offload.vllm.scheduler.in_step_loads import InStepLoads
 from kv_offload.vllm.scheduler.kv_events import kv_events_enabled, make_kv_events
 from kv_offload.vllm.scheduler.mamba_states import check_mamba_servable
 from kv_offload.vllm.scheduler.offload_scheduler import OffloadScheduler
+from kv_offload.vllm.scheduler.store_waits import StoreWaits
 from kv_offload.vllm.spec_translation import translate_groups
 from kv_offload.vllm.weights import PendingWeights, looks_remote, require_identity
 from kv_offload.vllm.worker.offload_worker import OffloadWorker
@@ -95,7 +96,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 in_step=InStepLoads([g.spec for g in groups], [
                     g.spec.page_size_bytes * len(g.layer_names) for g in groups],
                     self.config.in_step_load_bytes, read_budget_s=self.config.in_step_read_s,
-                    world_size=world_size))
+                    world_size=world_size),
+                role=transfer_config.kv_role or "kv_both",
+                waits=StoreWaits(self.config.remote_wait_s, storage=choice is not None))
             self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)
@@ -157,6 +160,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.reset()
             if meta.protect:
                 self._worker.protect(meta.protect)
+            if meta.find:
+                self._worker.find(meta.find)
             self._worker.start_loads(meta.loads, meta.failed_loads, in_step=meta.in_step,
                                      failed_blocks=meta.failed_blocks)
 
@@ -223,6 +228,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
         def scheduler_stats() -> Any:
             self._lookup_stats.record_faults(scheduler=sum(self._faults.take_counts().values()))
+            self._lookup_stats.record_waits(self._scheduler.waits.take_counts())
             if self._lookup_stats.is_empty():
                 return None
             stats, self._lookup_stats = self._lookup_stats, offload_stats.KVOffloadStats()
@@ -330,11 +336,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             set(connector_output.finished_recving or ()),
             set(connector_output.failed_recving or ())), None)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, None]:
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
 
     def take_events(self) -> list[Any]:
@@ -348,13 +355,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- containment ----------------
 
-    def _finished(self, request: Any) -> tuple[bool, None]:
+    def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        # A prefill server's promise to the decode server first (pd_params.py): it reads
+        # the request's state, which `request_finished` drops. A fault: no promise (the
+        # decode server recomputes), never a wrong one.
+        params = self._contained("request_finished", lambda: self._scheduler.transfer_params(
+            request), None)
         # If our bookkeeping fails, keep the blocks only while a load may write them.
         return self._contained(
             "request_finished", lambda: (self._scheduler.request_finished(
-                request.request_id, ended_by_output=request.status in _ENDED_BY_OUTPUT), None),
+                request.request_id, ended_by_output=request.status in _ENDED_BY_OUTPUT),
+                params),
             lambda: (self._scheduler.fence_next_step() or
-                     self._scheduler.is_loading(request.request_id), None), (False, None))
+                     self._scheduler.is_loading(request.request_id), params), (False, None))
 
     def _contained(self, where: str, call: Callable[[], Any], fallback: Any,
                    last_resort: Any = None) -> Any:

@@ -66,6 +66,10 @@ class KVOffloadMetadata(KVConnectorMetadata):
     """Keys of the hits lookups found since the last step, deepest first (the first block
     of a prefix last): each tier keeps them before keys stored once and never asked for
     (`TieredStore.protect`)."""
+    find: list[OffloadKey] = field(default_factory=list)
+    """Keys waiting requests need that no rank has reported: each rank asks its storage
+    tier for them now (`TieredStore.find`, on the worker's own thread), in case another
+    engine just stored them; what a tier holds comes back in the ranks' next reports."""
 
     def in_step_block_ids(self) -> set[int]:
         """Every engine block this step's in-step loads fill (planned or not): all of them
@@ -95,6 +99,13 @@ class RankReport:
     step: int = -1
     """The last plan step this rank started the loads of: its give-ups up to that step are
     in `stalled`."""
+    found_through: int = -1
+    """The last plan step whose `find` keys this rank asked its storage tier for: what the
+    tier held shows in the changes reported so far."""
+    identity: str = ""
+    """What a stored record is keyed on beside its key (the weights, config and layout of
+    the TP-free namespace, hashed): engines with the same identity read each other's
+    records (prefill/decode: `kv_offload.vllm.pd_params`). Empty before `register`."""
 
     @property
     def copies_stalled(self) -> bool:
@@ -142,6 +153,8 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
                                    earlier.reset,
                                    max(earlier.reflected_step, later.reflected_step),
                                    later.read_bytes_per_s or earlier.read_bytes_per_s,
-                                   later.stalled, max(earlier.step, later.step))
+                                   later.stalled, max(earlier.step, later.step),
+                                   max(earlier.found_through, later.found_through),
+                                   later.identity or earlier.identity)
             merged[rank] = later
         return KVOffloadWorkerMetadata(merged)

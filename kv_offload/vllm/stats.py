@@ -31,7 +31,11 @@ COUNTERS: tuple[str, ...] = (
     "store_skipped_blocks",
     "faults_scheduler", "faults_worker", "storage_read_failed_keys", "storage_write_failed_keys",
     "storage_rejected_records",
+    "remote_promised_blocks", "remote_foreign",
+    "remote_waits", "remote_wait_seconds", "remote_deadlines_missed",
+    "find_waits", "find_wait_seconds", "find_deadlines_missed",
 )
+WAIT_KINDS: tuple[str, ...] = ("remote", "find")
 GAUGES: tuple[str, ...] = ("host_bytes_used", "host_bytes_total", "disk_bytes_used",
                            "disk_bytes_total")
 TIERS: tuple[str, ...] = ("host", "disk")
@@ -152,6 +156,14 @@ class KVOffloadStats(KVConnectorStats):
         self._add("store_seconds", seconds)
         self._add("store_failed_blocks", failed_blocks)
         self._add("store_skipped_blocks", skipped_blocks)
+
+    def record_waits(self, counts: Mapping[str, int | float]) -> None:
+        """The scheduler side's waits for blocks other engines stored (store_waits.py) and
+        the blocks a prefill server promised to decode servers (pd_params.py)."""
+        for name, amount in counts.items():
+            _check_key(name)
+            _check_amounts(**{name: amount})
+            self._add(name, amount)
 
     def record_faults(self, *, scheduler: int = 0, worker: int = 0) -> None:
         """Faults contained (an exception or a timeout in our code, a tier or a plug-in
@@ -278,6 +290,16 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._add_counter("storage_rejected_records", "Stored records refused on read (bad "
                           "header, checksum or keyed tag: damaged, foreign, or written "
                           "without the shared secret); each was a miss and was removed.")
+        self._add_counter("promised_blocks", "Blocks a prefill server stored for decode "
+                          "servers and promised them in kv_transfer_params.")
+        self._add_counter("waits", "Lookups that waited for blocks another engine stored: "
+                          "a prefill server's promise (remote) or an idle engine's first "
+                          "lookup (find).", "kind", WAIT_KINDS)
+        self._add_counter("wait_seconds", "Seconds lookups waited, by kind.", "kind",
+                          WAIT_KINDS)
+        self._add_counter("wait_deadlines_missed", "Waits that ended at their deadline "
+                          "short of the blocks waited for (the rest was recomputed).",
+                          "kind", WAIT_KINDS)
         for suffix, doc in (("used", "Bytes in use"), ("total", "Byte budget")):
             self._add_metric(self._gauge_cls, f"tier_bytes_{suffix}",
                              f"{doc} in each offload tier, summed over ranks.", "tier", TIERS,
@@ -327,6 +349,12 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                       stats.count(f"storage_{op}_failed_keys"), op)
         self._inc("storage_rejected_records", engine_idx,
                   stats.count("storage_rejected_records"))
+        self._inc("promised_blocks", engine_idx, stats.count("remote_promised_blocks"))
+        for kind in WAIT_KINDS:
+            self._inc("waits", engine_idx, stats.count(f"{kind}_waits"), kind)
+            self._inc("wait_seconds", engine_idx, stats.count(f"{kind}_wait_seconds"), kind)
+            self._inc("wait_deadlines_missed", engine_idx,
+                      stats.count(f"{kind}_deadlines_missed"), kind)
 
 
 def build_prom_metrics(

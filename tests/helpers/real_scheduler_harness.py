@@ -59,10 +59,10 @@ MAX_TOKENS = 3
 STEP_DEADLINE_S = 10.0  # loads and stores run on the worker's threads: wait this long at most
 
 
-def vllm_config_for(model_dir, extra: dict) -> VllmConfig:
+def vllm_config_for(model_dir, extra: dict, role: str = "kv_both") -> VllmConfig:
     transfer = KVTransferConfig(
         kv_connector="KVOffloadConnector", kv_connector_module_path="kv_offload.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_role=role, kv_load_failure_policy="recompute",
         kv_connector_extra_config=extra)
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024),
@@ -281,6 +281,7 @@ class Engine:
             block_size=planned.block_size, hash_block_size=planned.hash_block_size,
             log_stats=True)
         self.runner = PlayedModelRunner(vllm_config, planned.worker)
+        self.transfer_params: dict[str, dict] = {}  # what finished requests' outputs carried
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)
         # vLLM 0.33's EngineCore also passes its hash look-ahead (0 here); 0.32 has none.
@@ -289,8 +290,11 @@ class Engine:
             planned.hash_block_size, hash_fn, *lookahead)
 
     def add(self, req_id: str, max_tokens: int = MAX_TOKENS,
-            prompt: list[int] = PROMPT) -> Request:
-        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens), None,
+            prompt: list[int] = PROMPT, kv_transfer_params: dict | None = None) -> Request:
+        extra = None if kv_transfer_params is None else \
+            {"kv_transfer_params": kv_transfer_params}  # (as vLLM's API server passes them)
+        request = Request(req_id, list(prompt),
+                          SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
                           block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         return request
@@ -309,7 +313,10 @@ class Engine:
         discards (a request rescheduled after a failed in-step load) leaves the runner's
         copy of the request too, as vLLM's own input batch follows the scheduler."""
         runner_output = self.runner.execute(output)
-        self.scheduler.update_from_output(output, runner_output)
+        for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            self.transfer_params.update({out.request_id: out.kv_transfer_params
+                                         for out in outputs.outputs
+                                         if out.kv_transfer_params is not None})
         for req_id, state in self.runner.requests.items():
             request = self.scheduler.requests.get(req_id)
             if request is not None:
@@ -366,8 +373,8 @@ def llama_dir(tmp_path_factory):
     return build_llama(tmp_path_factory.mktemp("real_scheduler") / "llama")
 
 
-def make_engine(model_dir, extra: dict) -> Engine:
-    config = vllm_config_for(model_dir, extra)
+def make_engine(model_dir, extra: dict, role: str = "kv_both") -> Engine:
+    config = vllm_config_for(model_dir, extra, role)
     return Engine(config, plan_kv_caches(config))
 
 
@@ -376,8 +383,8 @@ def engines(llama_dir):
     """`start(extra_config)` -> an Engine; every engine started is shut down after the test."""
     started: list[Engine] = []
 
-    def start(extra: dict) -> Engine:
-        started.append(make_engine(llama_dir, extra))
+    def start(extra: dict, role: str = "kv_both") -> Engine:
+        started.append(make_engine(llama_dir, extra, role))
         return started[-1]
 
     yield start

@@ -38,8 +38,9 @@ from typing import Any
 
 from kv_offload.hits import CacheHit, StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
-from kv_offload.types import HOST_BIT, GroupBlocks, Location
+from kv_offload.types import HOST_BIT, GroupBlocks, Location, OffloadKey
 from kv_offload.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kv_offload.vllm.pd_params import promise_for, promise_of, wants_remote_decode
 from kv_offload.vllm.scheduler.block_tables import track_block_ids
 from kv_offload.vllm.scheduler.in_step_loads import InStepLoads
 from kv_offload.vllm.scheduler.kv_events import KVEvents
@@ -48,6 +49,7 @@ from kv_offload.vllm.scheduler.rank_keys import HeldBlocks, RankKeys
 from kv_offload.vllm.scheduler.report_lag import ReportLag
 from kv_offload.vllm.scheduler.step_plan import StepPlan
 from kv_offload.vllm.scheduler.store_fence import StoreFence
+from kv_offload.vllm.scheduler.store_waits import FIND, FIND_KEYS, REMOTE, StoreWaits
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
@@ -63,6 +65,7 @@ class _Request:
     waiting_since: float | None = None
     stores_off: bool = False  # its block table may be wrong (a step was missed): never store
     adapter: bool = False  # it runs a LoRA adapter: never looked up or stored
+    wait_judged: bool = False  # whether its lookup waits for others' stores was decided
     loading: bool = False
     in_step_load_step: int | None = None  # the plan step of its in-step load, if any
     in_step_blocks: list[int] = field(default_factory=list)  # the blocks that load fills
@@ -94,9 +97,15 @@ class OffloadScheduler:
     """Scheduler-side state of the connector (one per engine)."""
 
     def __init__(self, specs: list[KVCacheSpec], hash_block_size: int, world_size: int,
-                 events: KVEvents | None = None, *, in_step: InStepLoads | None = None
-                 ) -> None:
+                 events: KVEvents | None = None, *, in_step: InStepLoads | None = None,
+                 role: str = "kv_both", waits: StoreWaits | None = None) -> None:
         self.specs = specs
+        # vLLM's kv_role: a producer stores for others and loads nothing; a consumer loads
+        # what others stored and stores nothing; kv_both does both (docs/disaggregated-prefill.md).
+        self.loads_on, self.stores_on = role != "kv_producer", role != "kv_consumer"
+        self.waits = waits or StoreWaits(5.0, storage=False)
+        self.identity = ""  # the ranks' record identity, once they reported it
+        self._found_through: dict[int, int] = {}  # per rank: `RankReport.found_through`
         self.in_step = in_step or InStepLoads(specs, [], 0)  # (default: all asynchronous)
         self.events = events or KVEvents()  # KV events for routers (off: does nothing)
         self.hash_block_size = hash_block_size
@@ -153,13 +162,16 @@ class OffloadScheduler:
             # old adapter's KV. Such requests are neither looked up nor stored.
             state.stores_off = state.adapter = \
                 getattr(request, "lora_request", None) is not None
-        if state.adapter:
+            state.stores_off |= not self.stores_on
+        if state.adapter or not self.loads_on:
             return 0, False, None
         if not self.ready or self._awaiting_reset(state):
             return None, False, None
         if state.load_failed or state.loading:
             return 0, False, None
         hit = self._longest_hit(request, num_computed_tokens)
+        if self._waiting(request, state, hit):
+            return None, False, None
         result = None
         if not state.counted:  # (once per request: vLLM asks again while it waits)
             result = LookupResult(request.num_tokens,
@@ -178,6 +190,61 @@ class OffloadScheduler:
         self._pending_hits[request.request_id] = PendingHit(hit, num_computed_tokens,
                                                             load_async)
         return hit.num_tokens - num_computed_tokens, load_async, result
+
+    def _waiting(self, request: Any, state: _Request, hit: CacheHit) -> bool:
+        """Whether this lookup waits for blocks another engine stored (a prefill server's
+        promise, or an idle engine's first lookup: store_waits.py), asking the ranks to
+        find the missing keys meanwhile."""
+        rid, waits = request.request_id, self.waits
+        if not state.wait_judged:  # (once per request)
+            state.wait_judged = True
+            wanted = (request.num_tokens - 1) // self.align * self.align
+            promise = promise_of(request)
+            if promise is not None and promise.identity in ("", self.identity):
+                waits.begin(rid, REMOTE, min(promise.tokens, wanted))
+            elif promise is None and hit.num_tokens < wanted:
+                waits.begin(rid, FIND, wanted)
+            elif promise is not None:  # (another model or layout: its records are not ours)
+                waits.count("remote_foreign")
+        wait = waits.get(rid)
+        if wait is None:
+            return False
+        answered = wait.kind == FIND and wait.find_step is not None and \
+            len(self._found_through) == self.world_size and \
+            min(self._found_through.values()) >= wait.find_step
+        if answered or waits.over(rid, hit.num_tokens):
+            waits.end(rid, missed=hit.num_tokens < wait.tokens and not answered)
+            return False
+        if waits.due_to_find(rid):
+            wait.find_step = self._step
+            self._plan.find += self._missing_keys(request, hit, wait.tokens)
+        return True
+
+    def _missing_keys(self, request: Any, hit: CacheHit, tokens: int) -> list[OffloadKey]:
+        """The keys of the blocks beyond `hit` up to `tokens`, of the groups stored by
+        position, first blocks first (at most `FIND_KEYS`)."""
+        keys: list[OffloadKey] = []
+        for g, spec in enumerate(self.specs):
+            if g in self._states.groups or g in self._replayed:
+                continue
+            per_block = spec.block_size // self.hash_block_size
+            first = hit.num_tokens // spec.block_size
+            last = min(tokens // spec.block_size, len(request.block_hashes) // per_block)
+            keys += [(self._hash_of(request, g, i), g) for i in range(first, last)]
+        return keys[:FIND_KEYS]
+
+    def transfer_params(self, request: Any) -> dict[str, Any] | None:
+        """A finished prefill request's promise to the decode server (pd_params.py): the
+        prompt tokens its stored and planned blocks cover. None unless asked for."""
+        if not (self.stores_on and wants_remote_decode(request)):
+            return None
+        state = self._requests.get(request.request_id)
+        if state is None or state.stores_off:
+            return None
+        hit = find_longest_cache_hit(self.specs, self._is_cached_fn(request),
+                                     request.num_prompt_tokens - 1)
+        self.waits.count("remote_promised_blocks", sum(map(len, hit.blocks)))
+        return promise_for(hit.num_tokens, self.identity)
 
     def _longest_hit(self, request: Any, num_computed_tokens: int):
         """The longest hit every rank can serve (loads larger than a host tier are staged
@@ -295,6 +362,8 @@ class OffloadScheduler:
         if with_states:
             self._plan_state_stores(scheduler_output, done_by_request, stores)
         plan, self._plan = self._plan, StepPlan()
+        if scheduler_output.total_num_scheduled_tokens:
+            self.waits.forward_planned()
         meta = KVOffloadMetadata(loads=plan.loads, in_step=plan.in_step,
                                  failed_loads=plan.failed_loads,
                                  failed_blocks=plan.failed_blocks, stores=stores,
@@ -303,7 +372,7 @@ class OffloadScheduler:
                                  idle=not scheduler_output.total_num_scheduled_tokens,
                                  held=plan.held,
                                  wait_for_loads=self.in_step.reuses_fenced(allocated),
-                                 protect=plan.protect)
+                                 protect=plan.protect, find=plan.find)
         stored = [(h, g) for g, (hashes, _) in stores.items() for h in hashes]
         self._lag.planned_stores(self._step, stored)
         self._step += 1
@@ -385,6 +454,9 @@ class OffloadScheduler:
             return
         for rank, report in meta.reports.items():
             self._lag.reported(rank, report.reflected_step)
+            self._found_through[rank] = max(self._found_through.get(rank, -1),
+                                            report.found_through)
+            self.identity = report.identity or self.identity
             self.in_step.reported_read_rate(rank, report.read_bytes_per_s)
             self.in_step.reported_stalled(rank, report.stalled, report.step)
         pending, reported = self._in_step_pending, self.in_step.reported_through
@@ -423,6 +495,7 @@ class OffloadScheduler:
         vLLM ended it for its own output (not an abort)."""
         state = self._requests.get(request_id)
         self._pending_hits.pop(request_id, None)
+        self.waits.end(request_id)  # (aborted while it waited)
         self._fence.freed(request_id, self._lag.reflected)
         if state is not None and state.loading:
             state.finished = True
@@ -465,7 +538,7 @@ class OffloadScheduler:
         # (in-step loads still run: their requests run now; a failure is reported by block)
         # (the hits' keys to protect are not lost with this step's plans: they go with the next)
         plan = self._plan
-        self._plan = StepPlan(protect=plan.protect)
+        self._plan = StepPlan(protect=plan.protect, find=plan.find)
         failed = [*(r for r in plan.loads if r not in plan.in_step), *plan.failed_loads]
         for request_id in failed:
             state = self._requests.get(request_id)

@@ -23,4 +23,5 @@ class StepPlan:
     failed_blocks: list[int] = field(default_factory=list)  # in-step loads not planned
     protect: list[OffloadKey] = field(default_factory=list)  # keys of hits found
     held: list[str] = field(default_factory=list)  # finished requests held for copies
+    find: list[OffloadKey] = field(default_factory=list)  # keys to ask the stores for
     reset: bool = False  # drop the host tier on every rank

@@ -43,6 +43,7 @@ import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
+import xxhash
 
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
@@ -57,6 +58,7 @@ from kv_offload.types import Direction, GroupBlocks, OffloadKey
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
 from kv_offload.vllm.stats import KVOffloadStats
 from kv_offload.vllm.worker.exit_hook import at_interpreter_exit
+from kv_offload.vllm.worker.finder import Finder
 from kv_offload.vllm.worker.jobs import Job, Outcome, record_outcome
 from kv_offload.vllm.worker.layers import LayerPlan
 from kv_offload.vllm.worker.load_reports import LoadReports
@@ -114,6 +116,9 @@ class OffloadWorker:
         self._loads_in_flight = 0  # requests wait for them: no yield (read without the lock)
         self._suspended = False  # vLLM's sleep mode unmapped engine memory: touch none of it
         self._pump: Pump | None = None
+        self._finder: Finder | None = None  # (set up at `register`)
+        self._found_through = -1  # the last plan step whose `find` keys were asked for
+        self.identity = ""  # (the TP-free namespace's fingerprint, hashed: at `register`)
         # Key changes the pump took ahead of the next report, as the report's columns, so
         # `report` on the step path only hands them over (bounded by REPORT_MAX_KEYS).
         self._report_keys: list[OffloadKey] = []
@@ -150,6 +155,12 @@ class OffloadWorker:
                               lambda: bool(self._jobs) or self.store.busy(),
                               f"kv-offload-pump-{self.rank}")
             self._pump.start()
+            # (`self.store`, not the store now: a test may wrap it after `register`)
+            self._finder = Finder(self._keys_to_find,
+                                  lambda names: self.store.find_in_storage(names),
+                                  self._found, self.faults, f"kv-offload-find-{self.rank}")
+            share = self.tp_share.shared_extra if self.tp_share is not None else fingerprint
+            self.identity = xxhash.xxh3_64_hexdigest(share.encode())
         at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
 
     # --- per step, in vLLM's order ---
@@ -204,6 +215,27 @@ class OffloadWorker:
 
     def begin_step(self, step: int) -> None:  # a new step's plans arrived
         self._step = step
+
+    def find(self, keys: Sequence[OffloadKey]) -> None:
+        """Keys waiting requests need and no rank reported: ask the storage tier for them
+        (on the finder's thread; what it holds comes back in a later report, with
+        `found_through` at this step)."""
+        if self._finder is not None:
+            self._finder.ask(self._step, keys)
+
+    def _keys_to_find(self, keys: Sequence[OffloadKey]) -> list[bytes]:
+        with self._lock:
+            return [] if self.store is None else self.store.keys_to_find(keys)
+
+    def _found(self, step: int) -> None:
+        """The finder asked the tier for the keys of `step`: what it holds goes into the
+        report before the report says so."""
+        with self._lock:
+            if self.store is not None:
+                self._take_changes()
+            self._found_through = max(self._found_through, step)
+        if self._pump is not None:
+            self._pump.wake()
 
     def protect(self, keys: Sequence[OffloadKey]) -> None:
         """Keys of the hits the scheduler's lookups found: the tiers keep them longer."""
@@ -438,7 +470,8 @@ class OffloadWorker:
             report = RankReport(tuple(self._report_keys), bytes(self._report_held),
                                 self._report_reset, self._reflected_step(),
                                 self.store.read_rate.bytes_per_s,
-                                self.reports.given_up_requests(), self._step)
+                                self.reports.given_up_requests(), self._step,
+                                self._found_through, self.identity)
             self._clear_report(reset=False)
         return KVOffloadWorkerMetadata({self.rank: report})
 
@@ -500,6 +533,8 @@ class OffloadWorker:
             return
         if self._pump is not None:
             self._pump.stop()
+        if self._finder is not None:
+            self._finder.stop()
         with self._lock:
             try:
                 if not self.store.flush(FLUSH_TIMEOUT_S):
