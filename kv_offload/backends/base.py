@@ -226,7 +226,9 @@ class StorageTier(ABC):
         """Store ``record`` as the generation record only if there is none, and return the
         record the tier holds afterwards: ``record`` itself, or the one another process
         stored first (engines starting together must agree on one). None: this tier keeps
-        no record. Called at start-up when `read_generation` found none; may do bounded I/O.
+        no record. Raises when the store cannot be reached (the caller starts a fresh
+        generation and asks again later). Called at start-up when `read_generation` found
+        none; may do bounded I/O.
         Default: `write_generation` (not atomic: two processes starting at the same moment
         may each keep their own until the next restart; a tier with a conditional write
         should override)."""

@@ -24,9 +24,12 @@ So what start-up does with what it finds:
   holds is used, so engines starting together agree on one. Records stored under any
   earlier generation are never served again (a cold cache; they age out under the tier's
   budget or the server's eviction);
-- a record that does not verify, or a store that cannot be read: a fresh random generation
-  (a cold cache, never pre-reset keys), written back when the record was bad so the fleet
-  converges on it. Logged.
+- a record that does not verify: a fresh random generation (a cold cache, never pre-reset
+  keys). Logged;
+- a store that cannot be read (down at start-up): a fresh random generation for now, and
+  the engine keeps asking (`TieredStore.settle_generation`, every few seconds off the step
+  path); once the store answers, it adopts the fleet's generation (or, if none is kept,
+  stores its own as above), so it is never isolated from the fleet for good. Logged.
 A tier that keeps no record (`create_generation` returns None: the base class's default
 when `write_generation` does) cannot lose one either: it starts at `FIRST_GENERATION`, and a
 reset lasts until the process ends (`TieredStore.reset` warns about it).
@@ -35,6 +38,7 @@ reset lasts until the process ends (`TieredStore.reset` warns about it).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from kv_offload.backends.base import StorageTier
 from kv_offload.backends.record import NETWORK_ALIGN, RecordCodec, pack, unpack_into
@@ -51,30 +55,43 @@ def generation_record(generation: bytes, codec: RecordCodec, fingerprint: str) -
                       align=NETWORK_ALIGN, codec=codec))
 
 
-def read_stored_generation(tier: StorageTier, codec: RecordCodec,
-                           fingerprint: str) -> bytes | None:
-    """The generation to start in (see the module docstring); None when the tier cannot be
-    read or holds a record that does not verify (the caller starts a fresh generation)."""
+@dataclass(frozen=True)
+class StoredGeneration:
+    """What start-up found: the generation to start in (None: start a fresh one), and
+    whether the tier could not be reached (then the engine asks again later and joins the
+    fleet's generation once it can: `TieredStore.settle_generation`)."""
+
+    generation: bytes | None
+    unreachable: bool = False
+
+
+def read_stored_generation(tier: StorageTier, codec: RecordCodec, fingerprint: str,
+                           fresh: bytes | None = None, *, quiet: bool = False
+                           ) -> StoredGeneration:
+    """The generation to start in (see the module docstring): the record's if it verifies;
+    none there: `fresh` (default: a new one), created unless another starter just did."""
     try:
         record = tier.read_generation()
         if record is None:  # (none: create one, unless another starter just did)
-            record = tier.create_generation(generation_record(new_generation(), codec,
-                                                              fingerprint))
+            record = tier.create_generation(generation_record(
+                fresh or new_generation(), codec, fingerprint))
             if record is None:  # (a tier that keeps no record: nothing can be lost)
-                return FIRST_GENERATION
+                return StoredGeneration(FIRST_GENERATION)
     except Exception as exc:
+        if quiet:  # (asked again during an outage: said once, at start-up)
+            return StoredGeneration(None, unreachable=True)
         logger.warning("kv-offload: could not read the key generation from the storage tier "
                        "(%s); starting a fresh one (a cold cache, never keys from before a "
-                       "reset)", exc)
-        return None
+                       "reset) until the tier answers", exc)
+        return StoredGeneration(None, unreachable=True)
     out = bytearray(GENERATION_BYTES)
     got = unpack_into(record, GENERATION_KEY, fingerprint, memoryview(out),
                       align=NETWORK_ALIGN, codec=codec)
     if not got.ok:
         logger.warning("kv-offload: the storage tier's key generation record does not verify "
                        "(%s); starting a fresh generation", got.bad or "wrong size")
-        return None
-    return bytes(out)
+        return StoredGeneration(None)
+    return StoredGeneration(bytes(out))
 
 
 def write_stored_generation(tier: StorageTier, generation: bytes, codec: RecordCodec,

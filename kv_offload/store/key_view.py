@@ -9,10 +9,9 @@ nothing downstream.
 
 Storage keys carry a generation: a connector reset starts a new one, so nothing stored
 before it is served after it, without deleting a file (other engines may be reading them;
-old generations age out under the storage tier's budget). Generation 0 is the one every
-engine starts in, so engines sharing a directory, and restarts, share their keys; after a
-reset the storage tier keeps the new generation and engines that start later begin there
-(`kv_offload.store.generations`), so a restart does not bring pre-reset keys back.
+old generations age out under the storage tier's budget). The storage tier keeps the
+generation in force (`kv_offload.store.generations`): engines sharing it, and restarts,
+start in it and share their keys, and a restart never brings pre-reset keys back.
 
 Storage key layout: 8 bytes of generation, 2 bytes of group (little endian), the block
 hash (int hashes as 32 bytes, little endian).
@@ -105,6 +104,16 @@ class KeyView:
 
     def storage_removed(self, keys) -> None:
         self._remove(self._storage, keys)
+
+    def replace_storage(self, keys) -> None:
+        """Forget every storage key and hold `keys` instead (another generation's, adopted
+        mid-run: `TieredStore.settle_generation`); host keys stay. O(storage keys)."""
+        for group, hashes in self._storage.items():
+            dirty = self._dirty.setdefault(group, {})
+            for block_hash in hashes:
+                dirty[block_hash] = None
+        self._storage = {}
+        self.storage_added(keys)
 
     def reset(self) -> None:
         """Forget everything; the next `take` tells the reader to forget too (O(1) here,

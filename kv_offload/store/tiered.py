@@ -31,6 +31,7 @@ to the part it belongs to, and contains every fault of a part.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -65,6 +66,8 @@ from kv_offload.store.shared import JobBook, Tiers
 from kv_offload.store.stores import StorePipeline
 from kv_offload.store.tp.records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
+
+logger = logging.getLogger("kv_offload")
 
 ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
 PROTECT_PENDING_SLOTS = 4  # keys protected before they land, remembered: x the host slots
@@ -104,10 +107,14 @@ class TieredStore:
         # restart stays in force; see kv_offload.store.generations). `codec` and `fingerprint`
         # seal that record as the tier's own records are sealed.
         self._codec, self._fingerprint = codec, fingerprint
+        # Whether the tier was unreachable at start: then the engine runs in a fresh
+        # generation of its own and joins the fleet's once the tier answers.
+        self.generation_unsettled = False
         if storage is not None:
             stored = read_stored_generation(storage, codec, fingerprint)
             # (unreadable or not verifiable: never pre-reset keys, start a new one)
-            tiers.generation = new_generation() if stored is None else stored
+            tiers.generation = stored.generation or new_generation()
+            self.generation_unsettled = stored.unreachable
         self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
 
     # The tiers' parts, by the names callers and the metrics read them by (one source of
@@ -183,6 +190,35 @@ class TieredStore:
     def lookup(self, keys: Sequence[OffloadKey]) -> list[Location]:
         """Where each key can be loaded from (never touches the storage tier)."""
         return self.tiers.lookup(keys)
+
+    def read_fleet_generation(self) -> bytes | None:
+        """Bounded I/O, without the caller's lock: the generation the storage tier keeps
+        now (this engine's own, stored, if it keeps none), or None while it is still
+        unreachable. For `settle_generation`."""
+        storage = self.storage
+        if storage is None:
+            return None
+        stored = read_stored_generation(storage, self._codec, self._fingerprint,
+                                        fresh=self.tiers.generation, quiet=True)
+        if stored.unreachable:
+            return None
+        return stored.generation or self.tiers.generation  # (a bad record: keep ours)
+
+    def settle_generation(self, generation: bytes) -> None:
+        """Caller's lock: adopt the fleet's key generation, found once the storage tier
+        answered (this engine started while it could not be reached): what the tier holds
+        in it becomes servable, keys stored under the engine's interim one are forgotten
+        (they age out), host memory stays. O(keys the tier lists)."""
+        self.generation_unsettled = False
+        if generation == self.tiers.generation or self.storage is None:
+            return
+        self.tiers.generation = generation
+        names = self._guarded("storage keys", self.storage.keys, None) or ()
+        self.view.replace_storage(k for k in (offload_key(n, generation) for n in names)
+                                  if k is not None)
+        logger.warning("kv-offload: the storage tier answers again; joined the key "
+                       "generation the engines sharing it use (what this engine stored "
+                       "while it could not see it is dropped)")
 
     def keys_to_find(self, keys: Sequence[OffloadKey]) -> list[bytes]:
         """The storage tier's names of those of `keys` it is not known to hold (nor host

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 
 from kv_offload.backends.filesystem.fileformat import (
     CHECKSUM,
@@ -66,7 +67,9 @@ def prepare_layout_dir(root_dir: str, fingerprint: str, host: str,
     try:
         for fanout in FANOUT_DIRS:
             make_private_dirs(os.path.join(layout_dir, fanout))
-        probe = os.path.join(layout_dir, temp_file_name(os.getpid(), "probe", host))
+        # (a token per call: tiers opened at once in one process must not share the file)
+        probe = os.path.join(layout_dir, temp_file_name(
+            os.getpid(), f"probe-{secrets.token_hex(4)}", host))
         direct = probe_direct_io(probe)
     except OSError as e:
         raise TierRootError(

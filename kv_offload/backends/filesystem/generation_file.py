@@ -70,8 +70,8 @@ def write_generation_file(layout_dir: str, temp_name: str, record: bytes) -> boo
 
 
 def create_generation_file(layout_dir: str, temp_name: str, record: bytes) -> bytes | None:
-    """Store ``record`` unless a record is there; the record held afterwards (None: it could
-    not be written, logged)."""
+    """Store ``record`` unless a record is there; the record held afterwards. Raises
+    OSError when it can be neither written nor read."""
     path, temp = os.path.join(layout_dir, GENERATION_NAME), os.path.join(layout_dir, temp_name)
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -85,8 +85,5 @@ def create_generation_file(layout_dir: str, temp_name: str, record: bytes) -> by
         except FileExistsError:
             return read_generation_file(layout_dir)
         return record
-    except OSError as e:
-        logger.warning("kv-offload: could not create the generation record %s: %s", path, e)
-        return None
     finally:
         unlink_quietly(temp)

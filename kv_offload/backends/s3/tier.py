@@ -246,7 +246,7 @@ class S3Tier(StorageTier):
         """A conditional put (If-None-Match: the first starter's object stays), then the
         record the bucket holds. An endpoint that does not support conditional puts answers
         501: a plain put then (two engines starting at once may each keep their own until a
-        restart: a cold cache, never pre-reset keys)."""
+        restart: a cold cache, never pre-reset keys). An unreachable endpoint raises."""
         try:
             self._s3.put_object(Bucket=self.config.bucket, Key=self._generation_name(),
                                 Body=record, IfNoneMatch="*")
@@ -256,13 +256,8 @@ class S3Tier(StorageTier):
                             "409"):
                 return self.read_generation()
             if _code(e) not in ("NotImplemented", "501"):
-                logger.warning("kv-offload: could not create the generation record of %s: "
-                               "%s", self._where, e)
-                return None
-        except (BotoCoreError, OSError) as e:
-            logger.warning("kv-offload: could not create the generation record of %s: %s",
-                           self._where, e)
-            return None
+                raise
+        # (an endpoint without conditional puts; an unreachable one raised above)
         return record if self.write_generation(record) else None
 
     def refresh(self) -> None:

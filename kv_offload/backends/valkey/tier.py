@@ -230,15 +230,11 @@ class ValkeyTier(StorageTier):
         return True
 
     def create_generation(self, record: bytes) -> bytes | None:
-        """SET NX (the first starter's record stays), then the record the server holds."""
-        try:
-            if self._redis.set(self._generation_name(), record, nx=True):
-                return record
-            return self.read_generation()
-        except SERVER_ERRORS as e:
-            logger.warning("kv-offload: could not create the generation record on %s: %s",
-                           self.config.display_url, e)
-            return None
+        """SET NX (the first starter's record stays), then the record the server holds.
+        An unreachable server raises (bounded by the timeouts)."""
+        if self._redis.set(self._generation_name(), record, nx=True):
+            return record
+        return self.read_generation()
 
     def refresh(self) -> None:
         """SCAN every server whole now (each primary of a cluster): adopt keys others wrote,

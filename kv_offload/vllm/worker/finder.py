@@ -9,6 +9,11 @@ the tier itself (`TieredStore.find_in_storage`: a stat per file, one pipelined V
 trip, S3 HEADs), so the work is proportional to the request, never to the store. What the
 tier holds reaches the next report like any key its refresh finds.
 
+Its idle call (every `IDLE_CALL_S` without work) settles the key generation of an engine
+that started while its storage tier was unreachable (`TieredStore.settle_generation`): the
+same thread, because it is the same kind of work (bounded I/O to the store that must never
+hold the engine's lock).
+
 Own state: a queue of key lists and one daemon thread. The store is read through the
 worker's callables under the worker's lock only to name the keys (`keys_to_find`); the I/O
 runs without it, so a slow store never holds the lock the engine's step takes.
@@ -24,6 +29,7 @@ from kv_offload.runtime.faults import FaultLog
 from kv_offload.types import OffloadKey
 
 MAX_QUEUED = 64  # lists of keys; past it new ones are dropped (a miss, never a stall)
+IDLE_CALL_S = 2.0  # with nothing to find, the idle call runs this often
 
 
 class Finder:
@@ -34,8 +40,9 @@ class Finder:
 
     def __init__(self, names_of: Callable[[Sequence[OffloadKey]], list[bytes]],
                  find: Callable[[Sequence[bytes]], None], found: Callable[[int], None],
-                 faults: FaultLog, name: str) -> None:
+                 faults: FaultLog, name: str, idle: Callable[[], None] | None = None) -> None:
         self._names_of, self._find, self._found, self._faults = names_of, find, found, faults
+        self._idle = idle  # run every IDLE_CALL_S the queue stays empty (the generation)
         self._queue: queue.Queue[tuple[int, list[OffloadKey]] | None] = \
             queue.Queue(MAX_QUEUED)
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
@@ -58,8 +65,19 @@ class Finder:
             return
         self._thread.join(timeout=5)
 
+    def _next(self) -> tuple[int, list[OffloadKey]] | None:
+        while True:
+            try:
+                return self._queue.get(timeout=IDLE_CALL_S)
+            except queue.Empty:
+                if self._idle is not None:
+                    try:
+                        self._idle()
+                    except Exception as exc:
+                        self._faults.failed("find", exc)
+
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (item := self._next()) is not None:
             step, keys = item
             try:
                 names = self._names_of(keys)

@@ -158,7 +158,8 @@ class OffloadWorker:
             # (`self.store`, not the store now: a test may wrap it after `register`)
             self._finder = Finder(self._keys_to_find,
                                   lambda names: self.store.find_in_storage(names),
-                                  self._found, self.faults, f"kv-offload-find-{self.rank}")
+                                  self._found, self.faults, f"kv-offload-find-{self.rank}",
+                                  idle=self._settle_generation)
             share = self.tp_share.shared_extra if self.tp_share is not None else fingerprint
             self.identity = xxhash.xxh3_64_hexdigest(share.encode())
         at_interpreter_exit(weakref.WeakMethod(self._flush_at_exit))
@@ -226,6 +227,18 @@ class OffloadWorker:
     def _keys_to_find(self, keys: Sequence[OffloadKey]) -> list[bytes]:
         with self._lock:
             return [] if self.store is None else self.store.keys_to_find(keys)
+
+    def _settle_generation(self) -> None:
+        """The finder's idle call: join the fleet's key generation once the storage tier
+        answers, if it could not be reached at start (I/O without the lock)."""
+        store = self.store
+        if store is None or not store.generation_unsettled:
+            return
+        generation = store.read_fleet_generation()
+        if generation is not None:
+            with self._lock:
+                if self.store is not None:
+                    self.store.settle_generation(generation)
 
     def _found(self, step: int) -> None:
         """The finder asked the tier for the keys of `step`: what it holds goes into the

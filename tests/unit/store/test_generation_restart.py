@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -223,3 +224,42 @@ def test_the_example_plug_in_keeps_the_generation_for_its_own_lifetime():
     store.reset()
     assert GENERATION_KEY.hex() in tier.read_generation().decode("latin-1")
     assert TieredStore(canonical, 1 << 20, storage=tier).generation == store.generation
+
+
+def test_an_engine_started_while_its_store_was_down_joins_the_fleet_once_it_is_back(
+        tmp_path):
+    """It runs in a fresh generation of its own (a cold cache: what the fleet stores is not
+    known, so never served); once the server answers it takes the fleet's generation and
+    serves what the fleet stored."""
+    pytest.importorskip("redis")
+    from kv_offload.backends.valkey.local_server import LocalServer
+
+    _, canonical = hybrid()
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    server = LocalServer()
+    server.kill()  # (down: its port refuses connections)
+    config = parse_config({
+        "cpu_bytes_to_use": "8MiB", "storage_tier": "valkey", "secret_file": secret(tmp_path),
+        "storage_options": {"url": server.url, "key_prefix": "join:", "refresh_interval_s": 0,
+                            "timeout_s": 0.5, "request_timeout_s": 1}})
+    late = TieredStore.from_config(canonical, config, fingerprint)
+    try:
+        assert late.generation_unsettled
+        assert late.read_fleet_generation() is None  # (still down: asked again later)
+        server.start()
+        fleet = store_and_close(canonical, config, fingerprint, [1, 2])
+        assert fleet.generation != late.generation
+        found = late.read_fleet_generation()
+        assert found == fleet.generation
+        late.settle_generation(found)
+        assert not late.generation_unsettled and late.generation == fleet.generation
+        deadline = time.monotonic() + 10  # (its refresher is off here: refresh by hand,
+        while late.lookup([(h(1), 0), (h(2), 0)]) != [Location.STORAGE] * 2:  # as it would)
+            assert time.monotonic() < deadline, "the fleet's keys never showed"
+            late.storage.refresh()
+            late.poll()
+            time.sleep(0.05)
+        fleet.close()
+    finally:
+        late.close()
+        server.stop()
