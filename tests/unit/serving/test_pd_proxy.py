@@ -484,3 +484,11 @@ def test_bad_flags_exit_2_with_the_reason_before_anything_listens(args, message,
     assert proc.returncode == 2
     assert proc.stderr.startswith("usage: kv-offload proxy ")
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_missing_server_side_is_a_typed_error_naming_the_extra(monkeypatch):
+    from kv_offload.errors import ProxyDependencyError
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` now fails
+    with pytest.raises(ProxyDependencyError, match=r"uvicorn is missing.*kv-offload\[proxy\]"):
+        build_server(ProxySettings.from_urls(["http://h:1"], ["http://h:2"]), "127.0.0.1", 1)
