@@ -79,3 +79,7 @@ class ServeCheckInputError(KVOffloadError, ValueError):
 
 class BenchArgumentError(KVOffloadError, ValueError):
     """Flags of `kv-offload bench` that the chosen backend cannot honour, or bad values."""
+
+
+class ProxyDependencyError(ServingError):
+    """`kv-offload proxy` started where starlette, uvicorn or httpx is not installed."""

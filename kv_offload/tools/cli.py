@@ -1,8 +1,10 @@
 """The `kv-offload` command: `demo` the connector, `inspect` canonical views, `bench` tiers,
-`serve-check` a running vLLM server, `secret new` a secret file for a shared store.
+`serve-check` a running vLLM server, `secret new` a secret file for a shared store, `proxy`
+requests to prefill and decode servers.
 
 Every subcommand that measures or checks (all but `secret`, which writes one file and
-prints the config line for it: `secret_cmd`) prints its table(s) with `report.Table`, writes
+prints the config line for it: `secret_cmd`, and `proxy`, which serves until interrupted
+and logs one line per request: `proxy_cmd`) prints its table(s) with `report.Table`, writes
 `--json PATH` as the same envelope (`report.envelope`: command, version, statistic, results;
 `--json -` writes it to stdout and the tables to stderr), shows progress of long runs on
 stderr, and exits 0 when everything checked out, 1 on any mismatch or failed key, 2 on
@@ -25,11 +27,13 @@ from kv_offload.tools.report import SubcommandParser
 DESCRIPTION = """\
 Offload the KV cache of vLLM to host memory, disk and shared stores: see it work (demo),
 look at what would be offloaded (inspect), measure the tiers (bench), check a running
-server (serve-check), create the secret file a shared store needs (secret new).
+server (serve-check), create the secret file a shared store needs (secret new), split
+requests between prefill and decode servers (proxy).
 
-Every subcommand prints a table; --json PATH also writes the results as JSON ('-': the
-JSON to stdout, the table to stderr). Progress goes to stderr. Exit status: 0 when
-everything checked out, 1 on any mismatched output or failed key, 2 on bad arguments.
+Every subcommand but secret and proxy prints a table; --json PATH also writes the results
+as JSON ('-': the JSON to stdout, the table to stderr). Progress goes to stderr. Exit
+status: 0 when everything checked out, 1 on any mismatched output or failed key, 2 on bad
+arguments.
 Run 'kv-offload COMMAND --help' for a command's flags."""
 
 
@@ -87,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make the secret_file that engines sharing a Valkey/Redis server or an "
                     "S3 bucket authenticate their stored records with.")
     add_secret_arguments(secret)
+
+    from kv_offload.tools import proxy_cmd
+
+    proxy = commands.add_parser(
+        "proxy", help="send each request to a prefill server, then to a decode server",
+        description=proxy_cmd.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    proxy_cmd.add_proxy_arguments(proxy)
     return parser
 
 

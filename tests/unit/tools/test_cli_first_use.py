@@ -71,7 +71,7 @@ def test_an_unknown_flag_after_a_subcommand_shows_that_subcommands_usage(command
     assert f"kv-offload {command}: error: unrecognized arguments: --bogus" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["", *SUBCOMMANDS, "secret", "secret new"])
+@pytest.mark.parametrize("command", ["", *SUBCOMMANDS, "secret", "secret new", "proxy"])
 def test_help_speaks_of_what_the_command_does_not_of_its_modules(command, tmp_path):
     proc = kv_offload_cli(*command.split(), "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
