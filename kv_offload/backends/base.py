@@ -2,7 +2,7 @@
 
 Contents:
 - `StorageTier`: five required methods (lookup, submit_write, submit_read, poll, close),
-  optional hooks with working defaults (take_changes, keys, clear, stats, discard,
+  optional hooks with working defaults (take_changes, find, keys, clear, stats, discard,
   read_generation, write_generation, create_generation, submit_write_repacked,
   submit_read_repacked): callers
   never probe,
@@ -171,6 +171,22 @@ class StorageTier(ABC):
         wrote itself and learns of evictions when a read fails."""
         return TierChanges()
 
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        """Ask the store itself, not this tier's view, whether it holds ``keys`` now, and
+        adopt those it holds into the view: ``lookup`` then answers True for them and
+        ``take_changes`` reports them as added, exactly like keys a refresh found. For keys
+        another server stored moments ago (a decode server waiting for the blocks its
+        prefill server just stored), which the background refresh has not brought yet: a
+        question proportional to the request, not to the store.
+        Bounded I/O: at most the tier's request deadline per call, batched where the store
+        allows; called from the worker's own thread, never on the engine's step path, with
+        at most a few hundred keys. Keys the store could not be asked about (an outage) are
+        answered from the view; a store's fault never raises. A key the view holds and the
+        store no longer does is answered False but left in the view (a read that misses, or
+        the next refresh, drops it). Default: ``lookup(keys)`` (the view only: right for a
+        tier without a cheaper targeted question, e.g. one whose view is the store)."""
+        return self.lookup(keys)
+
     def keys(self) -> list[bytes] | None:
         """Every key held now, from memory (tools, tests). None: the tier cannot list."""
         return None
@@ -199,14 +215,6 @@ class StorageTier(ABC):
         keep them before keys stored once and never asked for again. From memory only, never
         I/O, on the engine's step path; keys not held are ignored. Default: nothing (right
         for a tier whose server evicts by its own policy, e.g. Valkey's ``maxmemory-policy``)."""
-
-    def find(self, keys: Sequence[bytes]) -> list[bool]:
-        """Ask the store itself, not this tier's view, whether it holds ``keys`` now, and
-        adopt those it holds into the view (then `lookup` answers True for them and
-        `take_changes` reports them, as for keys a refresh found). Bounded I/O; called from
-        the worker's own thread, never on the engine's step path. Default: `lookup` (the
-        view only)."""
-        return self.lookup(keys)
 
     def read_generation(self) -> bytes | None:
         """The generation record last written with ``write_generation`` by any process

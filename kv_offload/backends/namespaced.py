@@ -58,6 +58,9 @@ class NamespacedTier(StorageTier):
         changes = self.inner.take_changes(max_keys)
         return TierChanges(self._ours(changes.added), self._ours(changes.removed))
 
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.find(self._wrap(keys))
+
     def keys(self) -> list[bytes] | None:
         held = self.inner.keys()
         return None if held is None else list(self._ours(held))

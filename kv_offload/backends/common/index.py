@@ -7,6 +7,8 @@ Contents:
 - `KeyIndex`: keys and file sizes in LRU order under a byte budget; write reservations, read
   pins, and directory-scan merges applied in bounded steps.
 - `Reservation`: the room one write holds, and the keys it evicts once the write has landed.
+- `KeyIndex.adopt`: keys a targeted look found (the filesystem tier's ``find``), adopted by
+  the same code as a scan's, outside any scan.
 (`ScanListing`, `ScannedFile` and `MergeResult`, the input and output of merges, are in
 ``listing``; ``let_others_run`` and `Pacer` in ``pacing``.)
 
@@ -255,15 +257,19 @@ class KeyIndex:
                     self._drop(key)  # deleted by another process
                     dropped += 1
                 pacer.tick()
-        keys: list[bytes] = []
-        rows = array("q")
-        for shard in added.shards:
-            keys.extend(shard.keys())
-            rows.extend(shard.values())
-        adopted = self._adopt(added, keys, rows, pause)
+        adopted = self._adopt(added, *_columns(added), pause)
         with self._lock:
             self._fresh = self._removed = None
         return MergeResult(adopted, dropped)
+
+    def adopt(self, found: ScanListing) -> int:
+        """Adopt keys found outside a scan (``FilesystemTier.find``: a look at a few named
+        files), by a scan's rules: oldest mtime least recent, a key held already unchanged,
+        a key this process removed since an open scan started not adopted. One lock hold
+        (a few hundred keys at most). A scan open meanwhile keeps them, as it keeps keys
+        committed since it started (its listing may predate their files). Returns the keys
+        adopted."""
+        return self._adopt(found, *_columns(found), None)
 
     def _diff_shards(
         self, listing: ScanListing, pause: Pause
@@ -300,16 +306,21 @@ class KeyIndex:
     def _adopt(self, listing: ScanListing, keys: list[bytes], rows: array, pause: Pause) -> int:
         """Insert the new keys, oldest mtime first (the least recent), in paced steps."""
         order = self._by_age(listing, rows, pause)
-        sizes, lru, removed = listing.sizes, self._lru, self._removed
+        sizes, lru = listing.sizes, self._lru
         added = 0
         with Pacer(pause, self._lock) as pacer:
             while step := list(islice(order, 64)):
+                # (read in the lock hold: `adopt` runs outside scans, which open and close
+                # these sets; within a scan's merge they stay the same)
+                removed, fresh = self._removed or (), self._fresh
                 adopted = []
                 for i in step:
                     key, size = keys[i], sizes[rows[i]]
                     if key not in removed and lru.add(key, size):
                         adopted.append(key)
                         self._committed += size
+                if fresh is not None:  # a scan is open: its listing may not have these
+                    fresh.update(adopted)  # (a scan's own: dropping came first, harmless)
                 self.feed.extend(adopted, True)  # (before the pacer may pause: same order)
                 added += len(adopted)
                 pacer.tick(len(step))
@@ -387,3 +398,13 @@ class KeyIndex:
 
     def _pinned_or_doomed(self, key: bytes) -> bool:
         return key in self._readers or key in self._doomed
+
+
+def _columns(listing: ScanListing) -> tuple[list[bytes], array]:
+    """A listing's keys and their rows, in one order (what `_adopt` takes)."""
+    keys: list[bytes] = []
+    rows = array("q")
+    for shard in listing.shards:
+        keys.extend(shard.keys())
+        rows.extend(shard.values())
+    return keys, rows

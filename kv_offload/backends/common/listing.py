@@ -44,6 +44,9 @@ class ScanListing:
     def __len__(self) -> int:
         return sum(len(shard) for shard in self.shards)
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.shards[ShardedLRU.shard_of(key)]
+
     def add(self, key: bytes, size: int, mtime: float) -> None:
         """Add a file (a key listed twice keeps its last size and mtime)."""
         self.shards[ShardedLRU.shard_of(key)][key] = len(self.sizes)

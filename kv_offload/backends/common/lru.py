@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 NUM_SHARDS = 4096  # a power of two
 SIZE_BITS = 44  # sizes below 16 TiB; ticks use the bits above
-_SIZE_MASK = (1 << SIZE_BITS) - 1
+MAX_SIZE = (1 << SIZE_BITS) - 1  # the largest size a key may have (scans skip larger files)
+_SIZE_MASK = MAX_SIZE
 
 
 class ShardedLRU:

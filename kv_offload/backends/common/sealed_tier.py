@@ -115,6 +115,9 @@ class SealedTier(StorageTier):
     def take_changes(self, max_keys: int) -> TierChanges:
         return self.inner.take_changes(max_keys)
 
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.find(keys)  # (presence: no record to verify until it is read)
+
     def keys(self) -> list[bytes] | None:
         return self.inner.keys()
 

@@ -6,6 +6,9 @@ Contents:
   (the start-up inventory); `changes` re-lists only the fan-out directories whose mtime moved
   since, plus a few others in rotation, and returns the keys that appeared and vanished.
 - `FanoutChanges`: what one `changes` call found.
+- `FanoutScanner.probe`: the files of given keys, one ``lstat`` each (``FilesystemTier.find``:
+  a question proportional to the request, not to the directory), judged by `is_final_file`,
+  the same test a listing applies to what it found.
 
 Why: a rescan used to ``scandir`` every fan-out directory and ``stat`` every file in it, then
 diff the whole listing against the whole index, every ``rescan_interval_s``. Over a directory
@@ -48,20 +51,30 @@ import stat
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kv_offload.backends.common.listing import ScanListing
+from kv_offload.backends.common.lru import MAX_SIZE
 from kv_offload.backends.filesystem.directory import FANOUT_DIRS, is_stale_temp
 from kv_offload.backends.filesystem.fileformat import (
     TEMP_PREFIX,
     fanout_dir_name,
     key_from_file_name,
+    relative_path,
 )
 from kv_offload.backends.filesystem.io_engine import unlink_quietly
 from kv_offload.backends.filesystem.watch import FileWatch
 
 SETTLE_S = 2.0  # a directory changed less than this before its listing is listed again
 REVALIDATE_PER_SCAN = 8  # fan-out dirs re-listed per scan whatever their mtime (256/8 = 32)
+
+
+def is_final_file(info: os.stat_result) -> bool:
+    """Whether a key's name (``lstat``-ed: a link is never followed) is a file the index may
+    adopt: a regular file of a size the index can hold (a sparse file of 16 TiB or more is
+    nobody's record). The one test of a listing and of a `FanoutScanner.probe`."""
+    return stat.S_ISREG(info.st_mode) and info.st_size <= MAX_SIZE
 
 
 @dataclass
@@ -103,6 +116,20 @@ class FanoutScanner:
     def wrote(self, key: bytes) -> None:
         """A file of ours landed under ``key`` (O(1); any thread)."""
         self._written.append(key)
+
+    def probe(self, keys: Sequence[bytes]) -> ScanListing:
+        """The files of ``keys`` there now (one ``lstat`` each, judged by `is_final_file`,
+        as a listing judges what it finds). Takes no lock: a scan may run meanwhile (a key
+        it also finds is adopted once; the index decides)."""
+        found = ScanListing()
+        for key in keys:
+            try:
+                info = os.lstat(os.path.join(self._layout_dir, relative_path(key)))
+            except OSError:
+                continue  # absent (or unreadable: as a listing that cannot stat it)
+            if is_final_file(info):
+                found.add(key, info.st_size, info.st_mtime)
+        return found
 
     def full(self) -> FanoutChanges:
         """List every fan-out directory, ``stat``-ing every file of ours: the start-up
@@ -172,7 +199,7 @@ class FanoutScanner:
                 info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue  # vanished meanwhile
-            if stat.S_ISREG(info.st_mode):
+            if is_final_file(info):
                 listed[key] = None
                 found.added.add(key, info.st_size, info.st_mtime)
         found.vanished.extend(key for key in known if key not in listed)

@@ -9,12 +9,14 @@ Contents:
   also skips unchanged directories) and evicts down to this tier's share. With rescans off
   (interval 0) it still touches the heartbeat, at least every quarter of
   ``heartbeat_timeout_s``, so that tiers of other layouts see this directory is alive.
+  `find` is the targeted question of the tier's ``find``: named keys' files, adopted by the
+  same checks and merge code as a rescan's, on the caller's thread.
 
-Nothing here runs on a caller's path. The thread runs at the lowest CPU priority (nice 19, a
-per-thread setting on Linux) and on kv-offload's CPUs (``affinity``), off the cores vLLM
-pinned its forward pass to: what a rescan costs comes out of idle time first. An exception (a
-flaky shared filesystem) never kills the thread: it is counted and logged once per episode,
-and the next round tries again.
+Nothing here but `find` runs on a caller's path. The thread runs at the lowest CPU priority
+(nice 19, a per-thread setting on Linux) and on kv-offload's CPUs (``affinity``), off the
+cores vLLM pinned its forward pass to: what a rescan costs comes out of idle time first. An
+exception (a flaky shared filesystem) never kills the thread: it is counted and logged once
+per episode, and the next round tries again.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kv_offload.backends.common.index import KeyIndex
+from kv_offload.backends.common.listing import ScanListing
 from kv_offload.backends.common.pacing import Pause, let_others_run
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
@@ -92,6 +95,24 @@ class Rescanner:
         """A file of ours landed (O(1)): the next rescan notices if another process deletes
         it, even before its directory is listed again."""
         self._scanner.wrote(key)
+
+    def find(self, keys: Sequence[bytes]) -> ScanListing:
+        """Look for the files of ``keys`` now (`FanoutScanner.probe`: the checks of a
+        listing) and adopt them as a rescan would (`KeyIndex.adopt`), without waiting for a
+        rescan in progress (its lock is not taken). Found keys the index holds join what
+        their directory is known to hold, as our own writes do (`wrote`): a later deletion
+        by another process is noticed before the directory is listed again. Returns what
+        was found."""
+        found = self._scanner.probe(keys)
+        adopted = self._index.adopt(found)
+        listed = [f.key for f in found.files()]
+        for key, held in zip(listed, self._index.contains(listed)):
+            if held:  # (a key not adopted, e.g. removed during a scan, stays unknown: a
+                self._scanner.wrote(key)  # later listing stats and offers it again)
+        self._count("finds")
+        self._count("find_keys", n=len(keys))
+        self._count("find_adopted", n=adopted)
+        return found
 
     def rescan(self, pause: Pause = let_others_run) -> None:
         """One round now (``pause``: between merge steps; None before anyone calls). The

@@ -24,6 +24,8 @@
   cannot be trusted: clock skew, NFS attribute caches), merged in short lock holds.
 - ``take_changes`` hands out what changed (own writes, evictions, bad files, what rescans
   found), the start-up inventory first, in chunks: callers never need to list the keys.
+- ``find`` asks the directory about named keys now (one ``lstat`` each) and adopts those a
+  rescan would: a key another process stored is seen at once by a server that needs it.
 """
 
 from __future__ import annotations
@@ -153,6 +155,17 @@ class FilesystemTier(StorageTier):
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         check_tier_keys(keys)
         return self._index.contains(list(keys))
+
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key's file is there now, one ``lstat`` per key (no directory listing:
+        the cost is the request's, not the directory's), adopting what a rescan would adopt
+        (`FanoutScanner.probe`, `KeyIndex.adopt`): a key another process stored is then in
+        ``lookup`` and ``take_changes`` without waiting for the next rescan. Room for them
+        is made by the next rescan or write, as for keys a rescan adopted. Counted as
+        ``finds``, ``find_keys`` (asked) and ``find_adopted`` (new to this tier)."""
+        check_tier_keys(keys, max_key_bytes=MAX_KEY_BYTES)
+        found = self._rescanner.find(keys)
+        return [key in found for key in keys]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Keys of a hit: protected in the index's eviction order (memory only)."""

@@ -37,8 +37,8 @@ import types
 from pathlib import Path
 
 # The methods the tier calls; nothing else is run for a caller.
-METHODS = frozenset({"put_object", "get_object", "delete_object", "delete_objects",
-                     "list_objects_v2"})
+METHODS = frozenset({"put_object", "get_object", "head_object", "delete_object",
+                     "delete_objects", "list_objects_v2"})
 UNRANGED_READ_LIMIT = 1 << 20  # a GET without a Range (the generation record: ~100 bytes)
 
 

@@ -123,6 +123,19 @@ class BucketKeys:
             self.others.add([k for k, held in zip(chunk, self.own.contains(chunk)) if not held])
         return len(self.others) - before
 
+    def adopt_found(self, found: ScanListing) -> int:
+        """Objects a targeted look found (``S3Tier.find``): adopted as a listing adopts
+        them, i.e. other writers' (readable, never evicted by this engine) unless this
+        engine holds them already; with ``evict_others``, into the budgeted index at once
+        (``KeyIndex.adopt``: a listing would adopt them there at its end). Returns the keys
+        new to this engine."""
+        if self.evict_others:
+            return self.own.adopt(found)
+        keys = [f.key for f in found.files()]
+        before = len(self.others)
+        self.others.add([k for k, held in zip(keys, self.own.contains(keys)) if not held])
+        return len(self.others) - before
+
     def finish_listing(self, listing: ScanListing, start: ScanStart,
                        pause: Pause = let_others_run) -> ScanMerge:
         """A listing of the whole prefix (opened by ``start_scan`` before its first page,

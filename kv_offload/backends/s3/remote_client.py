@@ -1,7 +1,8 @@
 """`HelperClient`: the S3 tier's client when its requests run in a helper process.
 
 It has the methods of a boto3 S3 client that the tier calls (``put_object``,
-``get_object``, ``delete_object``, ``delete_objects``, ``list_objects_v2``), with the same
+``get_object``, ``head_object``, ``delete_object``, ``delete_objects``,
+``list_objects_v2``), with the same
 arguments, replies and exceptions (``ClientError`` with the store's code, ``BotoCoreError``,
 ``OSError``), so the tier's code is the same either way. Each call sends its request to the
 helper process (helper.py: the protocol) over a channel of its own and waits, off the
@@ -103,6 +104,9 @@ class HelperClient:
 
     def get_object(self, **kwargs):
         return self._call("get_object", kwargs)
+
+    def head_object(self, **kwargs):
+        return self._call("head_object", kwargs)
 
     def delete_object(self, **kwargs):
         return self._call("delete_object", kwargs)

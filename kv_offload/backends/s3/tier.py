@@ -26,6 +26,8 @@
   the whole prefix within its budget instead.
 - Reads are ranged GETs of at most the record the caller's buffer needs (common/sized_read.py): an
   object of another size costs no more memory than the buffer.
+- ``find`` asks the bucket about named keys now (a ``HEAD`` each, finds.py), for a caller that
+  cannot wait for the crawl to pass their names.
 - ``lookup`` answers from that index (never the network). Jobs run one request per key on
   ``connections`` threads, each request sent to a helper process that runs botocore
   (remote_client.py; ``helper_process: false``: in this process); every request is bounded
@@ -71,6 +73,7 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.s3.client import make_client, read_body
 from kv_offload.backends.s3.config import S3TierConfig
+from kv_offload.backends.s3.finds import S3Finds
 from kv_offload.backends.s3.keys import BucketKeys
 from kv_offload.backends.s3.listing import PrefixListing
 from kv_offload.backends.s3.remote_client import HelperClient
@@ -117,6 +120,10 @@ class S3Tier(StorageTier):
             request_objects=config.list_request_objects,
             request_timeout_s=config.request_timeout_s, outage=self._outage, book=self._book,
             stopping=self._refresher.stopping, trouble=self._trouble, delete=self._delete)
+        self._finds = S3Finds(self._s3, config.bucket, self._index, self._io,
+                              request_timeout_s=config.request_timeout_s,
+                              outage=self._outage, book=self._book, name_of=self._name,
+                              trouble=self._trouble)
         self.refresh()  # the objects already there, before the first lookup
         self._refresher.start()
 
@@ -187,6 +194,13 @@ class S3Tier(StorageTier):
 
     def take_changes(self, max_keys: int) -> TierChanges:
         return self._index.feed.take(max_keys)  # (own and others' changes: one feed)
+
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        """A ``HEAD`` per key on the I/O threads, all within ``request_timeout_s``; objects
+        found are adopted as the listing adopts them (finds.py). An endpoint in an outage
+        is not asked: the view answers."""
+        check_tier_keys(keys)
+        return self._finds.find(keys)
 
     def keys(self) -> list[bytes]:
         return self._index.keys()

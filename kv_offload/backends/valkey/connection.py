@@ -202,8 +202,9 @@ class ValkeyConnection:
             {"__init__": lambda self, **kw: base.__init__(self, **{
                 "command_packer": packer, **kw})})
         return {
-            # + the refresh thread, + clear(), + the keyspace notifications' subscription
-            "max_connections": config.connections + 3,
+            # + the refresh thread, + clear(), + the keyspace notifications' subscription,
+            # + find() (the worker's thread)
+            "max_connections": config.connections + 4,
             "timeout": config.timeout_s,  # waiting for a free connection is bounded too
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,

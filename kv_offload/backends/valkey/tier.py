@@ -12,7 +12,9 @@
   reads, a whole ``SCAN`` at start, then every ``refresh_interval_s`` a background poll of
   the server's keyspace notifications (feed.py: other engines' writes, deletions and
   evictions, within one poll) and a few pages of a paced ``SCAN`` that reconciles what the
-  notifications missed (crawl.py). No poll does work proportional to the store.
+  notifications missed (crawl.py). No poll does work proportional to the store. ``find``
+  asks the server about named keys at once (a pipelined ``EXISTS`` per key, one round trip
+  per server: finds.py), for a caller that cannot wait for the next poll.
 - Jobs run on ``connections`` I/O threads, split into batches of at most ``batch_bytes`` (and
   spread over the connections). Each batch is two pipelined round trips for writes (``EXISTS``
   for every key, then ``SET NX`` for the missing ones: the same key always names the same
@@ -80,6 +82,7 @@ from kv_offload.backends.valkey.connection import (
 )
 from kv_offload.backends.valkey.crawl import ServerCrawl
 from kv_offload.backends.valkey.feed import KeyspaceFeed
+from kv_offload.backends.valkey.finds import ValkeyFinds
 from kv_offload.backends.valkey.packer import SplitValue, split_value_packer
 from kv_offload.backends.valkey.reads import ValkeyReads
 from kv_offload.runtime.affinity import join_our_cpus
@@ -111,6 +114,8 @@ class ValkeyTier(StorageTier):
         self._view = ServerKeys()
         self._rejections = Rejections(f"kv-offload Valkey tier {config.display_url}")
         self._reads = ValkeyReads(config, self._conn, self._book, self._view, self._rejections,
+                                  self._name)
+        self._finds = ValkeyFinds(config, self._conn, self._outages, self._book, self._view,
                                   self._name)
         self._server_memory = (0, 0)  # (used_memory, maxmemory) at the last refresh
         self._io = ThreadPoolExecutor(config.connections, thread_name_prefix="kv-valkey-io",
@@ -181,6 +186,13 @@ class ValkeyTier(StorageTier):
 
     def take_changes(self, max_keys: int) -> TierChanges:
         return self._view.take_changes(max_keys)
+
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined ``EXISTS`` per key, a round trip per server, within
+        ``request_timeout_s``; found keys join the view (finds.py). A server in an outage
+        is not asked: its keys are answered from the view."""
+        check_tier_keys(keys)
+        return self._finds.find(keys)
 
     def keys(self) -> list[bytes]:
         return self._view.keys()

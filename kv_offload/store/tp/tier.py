@@ -20,7 +20,10 @@ TP-free records (`tp.records`) to the tier below:
   is added or removed when its coverage changes (O(changes); at most one rank key change per
   record change, so `take_changes` stays bounded). So `TieredStore`, the scheduler's per-rank
   key sets, hits and KV events keep working per block: a block counts as stored on a rank
-  when every head it needs is.
+  when every head it needs is. `find` asks the tier below about every candidate record of
+  the rank keys asked (a targeted question, for keys another server stored moments ago) and
+  marks those found present; the rank keys it covered are reported by the next
+  `take_changes`.
 - **copies** (a record that is not the slot's bytes: a part of a larger record, a record of
   another rank's order, pages with padding or split LBHNC kernel blocks):
   handed to the tier below as `base.Repack` values (`_RecordCopy`). The filesystem tier
@@ -70,6 +73,15 @@ class _Job:
     plans: list[_KeyPlan | None] = field(default_factory=list)  # None: no I/O (failed, or
     skipped_ok: list[bool] = field(default_factory=list)        # skipped: `skipped_ok`)
     temps: list[torch.Tensor] = field(default_factory=list)  # kept alive until the job ends
+
+
+@dataclass
+class _FindPlan:
+    """One rank key of a `find`: its group, and the positions of the inner keys asked for
+    it (its candidate records, in bit order; or its shape key)."""
+
+    group: int
+    asks: list[int]
 
 
 @dataclass
@@ -150,6 +162,7 @@ class TPRecordTier(StorageTier):
     def __init__(self, inner: StorageTier, records: RankRecords) -> None:
         self.inner, self.records = inner, records
         self._present: dict[bytes, int] = {}  # rank key -> bit per candidate record present
+        self._found: dict[bytes, None] = {}  # rank keys `find` made covered, not yet reported
         self._covers: list[dict[int, tuple[CoverPart, ...] | None]] = \
             [{} for _ in records.groups]  # per group: bits -> cover (memoised)
         self._ids = itertools.count(1)
@@ -189,9 +202,56 @@ class TPRecordTier(StorageTier):
                 found.append(self._covered(key, group))
         return found
 
+    def find(self, keys: Sequence[bytes]) -> list[bool]:
+        """Ask the tier below about every record that could serve each rank key (its
+        candidates, the bits `lookup` reads; a per-shape key: its shape key), in one call.
+        Records found are marked present (the tier below adopted them too), so `lookup`
+        answers from them at once; a rank key they made covered is reported added by the
+        next `take_changes` (their own "added" from the tier below then changes nothing
+        here). A rank key is found when the records found cover it."""
+        asks: list[bytes] = []
+        plans: list[_FindPlan | None] = []
+        for key in keys:
+            group = self.records.group_of(key)
+            if group is None:
+                plans.append(None)
+                continue
+            recs = self.records.groups[group]
+            if recs is None:
+                plans.append(_FindPlan(group, [len(asks)]))
+                asks.append(self.records.shape_key(key))
+                continue
+            plans.append(_FindPlan(group, list(range(len(asks), len(asks) + len(
+                recs.candidates)))))
+            asks += [self.records.record_key(key, record) for record in recs.candidates]
+        found = self.inner.find(asks) if asks else []
+        answers = []
+        for key, plan in zip(keys, plans):
+            if plan is None:
+                answers.append(False)
+            elif self.records.groups[plan.group] is None:  # (the tier below's feed says it)
+                answers.append(found[plan.asks[0]])
+            else:
+                bits = sum(1 << bit for bit, at in enumerate(plan.asks) if found[at])
+                before = self._covered(key, plan.group)
+                for bit in range(len(plan.asks)):
+                    if bits >> bit & 1:
+                        self._set_bit(key, bit, True)
+                if not before and self._covered(key, plan.group):
+                    self._found[key] = None
+                answers.append(bool(bits) and self._cover(plan.group, bits) is not None)
+        return answers
+
     def take_changes(self, max_keys: int) -> TierChanges:
-        changes = self.inner.take_changes(max_keys)
         latest: dict[bytes, bool] = {}
+        # Rank keys `find` made covered first (their records' "added" from below, which
+        # may come in this very call, no longer changes their coverage).
+        for key in list(itertools.islice(self._found, max_keys)):
+            del self._found[key]
+            latest[key] = True
+        if len(latest) >= max_keys:
+            return TierChanges(tuple(latest), ())
+        changes = self.inner.take_changes(max_keys - len(latest))
         for inner_keys, on in ((changes.removed, False), (changes.added, True)):
             for inner_key in inner_keys:
                 parsed = self.records.parse(inner_key)
@@ -344,6 +404,7 @@ class TPRecordTier(StorageTier):
     def clear(self) -> None:
         self.inner.clear()
         self._present.clear()
+        self._found.clear()
 
     def stats(self) -> TierStats:
         return self.inner.stats()

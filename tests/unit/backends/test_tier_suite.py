@@ -9,6 +9,10 @@ and buffered), the Valkey tier on a real server and the S3 tier on moto's server
 from __future__ import annotations
 
 import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,45 +25,87 @@ from helpers.servers import make_bucket, unique_name
 from helpers.tier_helpers import random_bytes, read, wait, write
 
 
-def _valkey(root, request):
+@dataclass
+class StorePlace:
+    """Where one test's tiers store: a directory, and a server's names (a key prefix, a
+    bucket) made on first use and kept, so that every tier a factory opens for the same
+    place shares one store (another server's tier over the same directory, server or
+    bucket). ``own_servers``: a server of this test alone (to kill), not the session's."""
+
+    root: Path
+    request: pytest.FixtureRequest
+    own_servers: bool = False
+    names: dict[str, str] = field(default_factory=dict)
+
+    def server(self, backend: str):
+        return self.request.getfixturevalue(
+            f"own_{backend}_server" if self.own_servers else f"{backend}_server")
+
+    def name(self, stem: str, make=unique_name) -> str:
+        if stem not in self.names:
+            self.names[stem] = make(stem)
+        return self.names[stem]
+
+
+def _valkey(place: StorePlace, **options):
     from kv_offload.backends.valkey import ValkeyTier
 
-    server = request.getfixturevalue("valkey_server")
-    return ValkeyTier.from_options({"url": server.url, "key_prefix": unique_name("suite") + ":",
-                                    "refresh_interval_s": 0}, "suite-layout")
+    server = place.server("valkey")
+    return ValkeyTier.from_options({"url": server.url, "key_prefix": place.name("suite") + ":",
+                                    "refresh_interval_s": 0, **options}, "suite-layout")
 
 
-def _s3(root, request, helper_process=True):
+def _s3(place: StorePlace, helper_process=True, **options):
     from kv_offload.backends.s3 import S3Tier
 
-    server = request.getfixturevalue("s3_server")
-    return S3Tier.from_options({"bucket": make_bucket(server.endpoint_url),
+    server = place.server("s3")
+    bucket = place.name("bucket", lambda stem: make_bucket(server.endpoint_url))
+    return S3Tier.from_options({"bucket": bucket,
                                 "endpoint_url": server.endpoint_url, "bytes_to_use": 1 << 30,
-                                "refresh_interval_s": 0, "helper_process": helper_process},
+                                "refresh_interval_s": 0, "helper_process": helper_process,
+                                **options},
                                "suite-layout")
 
 
+# Every factory opens its tier with its background refresh off (rescan_interval_s and
+# refresh_interval_s 0): what another tier stored after it started is then seen by `find`
+# alone.
 TIER_FACTORIES = {
-    "dict": lambda root, request: DictTier(),
-    "filesystem": lambda root, request: FilesystemTier(
-        FilesystemTierConfig(str(root), "suite-layout", 1 << 30, rescan_interval_s=0)
+    "dict": lambda place: DictTier(),
+    "filesystem": lambda place: FilesystemTier(
+        FilesystemTierConfig(str(place.root), "suite-layout", 1 << 30, rescan_interval_s=0)
     ),
-    "filesystem-buffered": lambda root, request: FilesystemTier(
+    "filesystem-buffered": lambda place: FilesystemTier(
         FilesystemTierConfig(
-            str(root), "suite-layout", 1 << 30, direct_io=False, rescan_interval_s=0
+            str(place.root), "suite-layout", 1 << 30, direct_io=False, rescan_interval_s=0
         )
     ),
     "valkey": _valkey,
     "s3": _s3,  # (its requests in a helper process, the default)
-    "s3-in-process": lambda root, request: _s3(root, request, helper_process=False),
+    "s3-in-process": lambda place: _s3(place, helper_process=False),
 }
-
+PRIVATE = {"dict"}  # tiers whose store is the instance itself: no other instance shares it
 SIZES = [1, 100, 4096, 4097, 65536 + 3, 1 << 20]
 
 
 @pytest.fixture(params=sorted(TIER_FACTORIES))
-def tier(request, tmp_path):
-    made = TIER_FACTORIES[request.param](tmp_path / "tier", request)
+def place(request, tmp_path):
+    return StorePlace(tmp_path / "tier", request)
+
+
+@pytest.fixture
+def tier(place):
+    made = TIER_FACTORIES[place.request.param](place)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def other(place, tier):
+    """A second tier over the same store as ``tier`` (another server's), opened after it."""
+    if place.request.param in PRIVATE:
+        pytest.skip(f"{place.request.param}: no other instance shares its store")
+    made = TIER_FACTORIES[place.request.param](place)
     yield made
     made.close()
 
@@ -189,3 +235,78 @@ def test_close_keeps_results_and_refuses_new_jobs(tier):
         tier.submit_write([b"j"], [random_bytes(100, 6)])
     with pytest.raises(TierClosedError):
         tier.submit_read([b"k"], [torch.empty(100, dtype=torch.uint8)])
+
+
+# -- find: the store asked about named keys (issue 46) -------------------------------------
+
+
+def drain_changes(tier) -> tuple[set[bytes], set[bytes]]:
+    """Everything ``take_changes`` has to report now: (added, removed)."""
+    added: set[bytes] = set()
+    removed: set[bytes] = set()
+    while changes := tier.take_changes(1000):
+        added |= set(changes.added)
+        removed |= set(changes.removed)
+    return added, removed
+
+
+def test_find_sees_a_key_another_tier_stored_and_adopts_it(tier, other):
+    """`other` stands for another server over the same store, opened before `tier` wrote:
+    its refresh is off, so only `find` can tell it of the key."""
+    data = random_bytes(5000, 7)
+    drain_changes(other)
+    assert write(tier, [b"theirs"], [data]).ok
+    assert other.lookup([b"theirs", b"nobody"]) == [False, False]
+    assert other.find([b"theirs", b"nobody"]) == [True, False]
+    assert other.lookup([b"theirs", b"nobody"]) == [True, False]
+    assert drain_changes(other) == ({b"theirs"}, set())  # adopted as a refresh adopts
+    out = torch.empty(5000, dtype=torch.uint8)
+    assert read(other, [b"theirs"], [out]).ok and torch.equal(out, data)
+    assert other.find([b"theirs"]) == [True]  # (asked again: nothing new to report)
+    assert drain_changes(other) == (set(), set())
+
+
+def test_find_answers_for_own_keys_and_adopts_no_absent_key(tier):
+    data = random_bytes(3000, 8)
+    assert write(tier, [b"mine"], [data]).ok
+    drain_changes(tier)
+    assert tier.find([b"mine", b"nobody"]) == [True, False]
+    assert tier.lookup([b"mine", b"nobody"]) == [True, False]
+    assert drain_changes(tier) == (set(), set())
+    assert tier.find([]) == []
+    with pytest.raises(TierRequestError, match="key 1"):
+        tier.find([b"ok", 42])
+
+
+SHARED = ["valkey", "s3"]
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+@pytest.mark.parametrize("backend", SHARED)
+def test_find_during_an_outage_answers_from_the_view_within_the_deadline(
+        backend, how, request, tmp_path):
+    """A server down (connections refused) or stalled (SIGSTOP: requests sent, no reply):
+    `find` answers from the view, by the request deadline, without raising; while the
+    outage lasts later calls do not wait at all."""
+    place = StorePlace(tmp_path, request, own_servers=True)
+    bounds = {"timeout_s": 0.5, "request_timeout_s": 1.0, "retry_interval_s": 60.0}
+    tier = _valkey(place, **bounds) if backend == "valkey" else _s3(place, **bounds)
+    assert write(tier, [b"held"], [random_bytes(2000, 9)]).ok
+    process = place.server(backend).process
+    try:
+        if how == "killed":
+            place.server(backend).kill()
+        else:
+            process.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        assert tier.find([b"held", b"nobody"]) == [True, False]
+        assert time.monotonic() - start < 1.0 + 0.5  # the deadline, and scheduling slack
+        assert tier.stats()["outages"] == 1
+        start = time.monotonic()
+        assert tier.find([b"held", b"nobody"]) == [True, False]
+        assert time.monotonic() - start < 0.2  # the outage: not asked again
+        assert tier.lookup([b"nobody"]) == [False]
+    finally:
+        if how == "stalled":
+            process.send_signal(signal.SIGCONT)
+    tier.close()

@@ -91,6 +91,26 @@ def test_the_background_scan_adopts_and_drops_keys_on_every_primary(cluster):
     reader.close()
 
 
+def test_find_asks_every_primary_for_its_own_keys_and_adopts_them(cluster):
+    """Keys of one `find` live on every primary: each group of keys goes to the primary
+    holding its slots (one pipelined round trip each), and all found are adopted."""
+    prefix = unique_name("c") + ":"
+    writer, reader = make_tier(cluster.url, prefix), make_tier(cluster.nodes[-1].url, prefix)
+    keys, data = keys_and_data(40, 3)
+    assert write(writer, keys, data).ok
+    assert len({reader._conn.node_of(reader._name(k)) for k in keys}) == len(
+        cluster.primaries())  # (spread over every primary)
+    assert reader.lookup(keys) == [False] * 40
+    assert reader.find([*keys, b"nobody"]) == [True] * 40 + [False]
+    assert reader.lookup(keys) == [True] * 40
+    added: set[bytes] = set()
+    while changes := reader.take_changes(1000):
+        added |= set(changes.added)
+    assert added == set(keys)
+    writer.close()
+    reader.close()
+
+
 def test_keys_whose_slots_moved_to_another_primary_are_still_read_and_written(cluster):
     tier = make_tier(cluster.url)
     keys, data = keys_and_data(200, 3)
