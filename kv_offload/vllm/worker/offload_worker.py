@@ -245,7 +245,8 @@ class OffloadWorker:
         report before the report says so."""
         with self._lock:
             if self.store is not None:
-                self._take_changes()
+                self._pump_once()  # (the store takes in what its tier adopted...)
+                self._take_changes()  # (...and the report takes it from the store)
             self._found_through = max(self._found_through, step)
         if self._pump is not None:
             self._pump.wake()
