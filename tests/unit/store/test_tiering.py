@@ -122,7 +122,7 @@ def test_corrupt_file_fails_only_its_blocks(tmp_path):
     first.flush()
     first.close()
     victim = next(p for p in Path(tmp_path).rglob("*.safetensors")
-                  if storage_key((h(1), 0)).hex() in p.name)
+                  if storage_key((h(1), 0), first.generation).hex() in p.name)
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0x40
     victim.write_bytes(bytes(data))

@@ -52,7 +52,7 @@ def test_when_the_shared_read_fails_every_load_fails_that_block_only(tmp_path):
     writer.flush()
     writer.close()
     victim = next(p for p in Path(tmp_path).rglob("*.safetensors")
-                  if storage_key((h(1), 0)).hex() in p.name)
+                  if storage_key((h(1), 0), writer.generation).hex() in p.name)
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0x40  # the data no longer matches its checksum
     victim.write_bytes(bytes(data))

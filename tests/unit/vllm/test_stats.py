@@ -42,6 +42,10 @@ def scheduler_stats() -> KVOffloadStats:
     stats.record_lookup(query_tokens=1000, hit_tokens=256, host_tokens=192, disk_tokens=64)
     stats.record_lookup(query_tokens=600, hit_tokens=0, host_tokens=0, disk_tokens=0)
     stats.record_faults(scheduler=1)
+    stats.record_waits({"remote_promised_blocks": 7, "remote_foreign": 1, "remote_waits": 2,
+                        "remote_wait_seconds": 0.25, "remote_deadlines_missed": 1,
+                        "find_waits": 3, "find_wait_seconds": 0.01,
+                        "find_deadlines_missed": 1})
     return stats
 
 

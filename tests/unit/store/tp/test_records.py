@@ -162,15 +162,27 @@ def test_blocks_cross_tp_sizes_through_shared_servers(request, backend, a, b):
 
 class SharedDictTier(DictTier):
     """The example plug-in over a dict that every instance naming the same `store` shares
-    (as processes share a server), with a change feed: what the dict held when the
-    instance opened, then its own writes."""
+    (as processes share a server), its generation record included, with a change feed:
+    what the dict held when the instance opened, then its own writes."""
 
     STORES: dict[str, dict] = {}
+    GENERATIONS: dict[str, bytes] = {}
 
     def __init__(self, store: str) -> None:
         super().__init__()
+        self._name = store
         self._data = self.STORES.setdefault(store, {})
         self._feed = list(self._data)
+
+    def read_generation(self) -> bytes | None:
+        return self.GENERATIONS.get(self._name)
+
+    def write_generation(self, record: bytes) -> bool:
+        self.GENERATIONS[self._name] = bytes(record)
+        return True
+
+    def create_generation(self, record: bytes) -> bytes | None:
+        return self.GENERATIONS.setdefault(self._name, bytes(record))
 
     def _store(self, key: bytes, buf: torch.Tensor) -> bool:
         ok = super()._store(key, buf)

@@ -228,7 +228,8 @@ def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(workers, tmp_path
         (h, 0): ON_DISK for h in hashes}
     assert changes(second) == {}
 
-    files = list((tmp_path / "kv").rglob(storage_key((hashes[3], 0)).hex() + ".safetensors"))
+    name = storage_key((hashes[3], 0), second.store.generation).hex()  # (the store's own)
+    files = list((tmp_path / "kv").rglob(name + ".safetensors"))
     assert len(files) == 1
     data = bytearray(files[0].read_bytes())
     data[-100] ^= 0xFF  # inside the page data, after the header
