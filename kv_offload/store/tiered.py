@@ -441,6 +441,11 @@ class TieredStore:
             (self.view.host_added if event.kind == "stored" else
              self.view.host_removed)(event.keys)
 
+    def absorb_storage_changes(self) -> None:
+        """Take a bounded batch of the storage tier's changes into the view now (keys a
+        `find_in_storage` just adopted), as every `poll` does."""
+        self._absorb_storage_changes()
+
     def _absorb_storage_changes(self) -> None:
         """Take a bounded batch of the storage tier's change feed into the view (each
         poll: a start-up inventory of a million keys streams in over a few seconds

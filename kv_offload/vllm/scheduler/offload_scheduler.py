@@ -49,7 +49,7 @@ from kv_offload.vllm.scheduler.rank_keys import HeldBlocks, RankKeys
 from kv_offload.vllm.scheduler.report_lag import ReportLag
 from kv_offload.vllm.scheduler.step_plan import StepPlan
 from kv_offload.vllm.scheduler.store_fence import StoreFence
-from kv_offload.vllm.scheduler.store_waits import FIND, FIND_KEYS, REMOTE, StoreWaits
+from kv_offload.vllm.scheduler.store_waits import FIND, FIND_KEYS, REMOTE, StoreWaits, Wait
 
 NULL_BLOCK_ID = 0  # vLLM's null block (skipped sliding-window / Mamba blocks)
 MAX_REPORT_WAIT_S = 5.0  # a lookup waits at most this long for the workers' reports
@@ -209,20 +209,42 @@ class OffloadScheduler:
         wait = waits.get(rid)
         if wait is None:
             return False
-        answered = wait.kind == FIND and wait.find_step is not None and \
-            len(self._found_through) == self.world_size and \
-            min(self._found_through.values()) >= wait.find_step
-        if answered or waits.over(rid, hit.num_tokens):
-            waits.end(rid, missed=hit.num_tokens < wait.tokens and not answered)
+        if waits.over(rid, hit.num_tokens):
+            waits.end(rid, missed=hit.num_tokens < wait.tokens)
             return False
-        if waits.due_to_find(rid):
-            wait.find_step = self._step
-            self._plan.find += self._missing_keys(request, hit, wait.tokens)
-        return True
+        if wait.kind == REMOTE:  # (the prefill server may still be writing: ask again)
+            if waits.due_to_find(rid):
+                self._ask(wait, self._missing_keys(request, hit, wait.tokens))
+            return True
+        # An idle engine's first lookup: first the first missing block of each group (a
+        # prompt nobody stored, the usual case, is answered by one question per group; the
+        # rest of a prefix is useless without it), then, if it was there, all the rest.
+        if wait.find_step is None:
+            self._ask(wait, self._missing_keys(request, hit, wait.tokens, first_only=True))
+            wait.hit_at_find = hit.num_tokens
+            return True
+        if not self._answered(wait.find_step):
+            return True
+        if wait.rounds == 1 and hit.num_tokens > wait.hit_at_find:
+            self._ask(wait, self._missing_keys(request, hit, wait.tokens))
+            return True
+        waits.end(rid)
+        return False
 
-    def _missing_keys(self, request: Any, hit: CacheHit, tokens: int) -> list[OffloadKey]:
+    def _ask(self, wait: Wait, keys: list[OffloadKey]) -> None:
+        """Send `keys` to the ranks with the next step (`find`) for `wait`."""
+        wait.find_step, wait.rounds = self._step, wait.rounds + 1
+        self._plan.find += keys
+
+    def _answered(self, step: int) -> bool:
+        """Whether every rank has reported the answers to the `find` of plan step `step`."""
+        return len(self._found_through) == self.world_size and \
+            min(self._found_through.values()) >= step
+
+    def _missing_keys(self, request: Any, hit: CacheHit, tokens: int,
+                      first_only: bool = False) -> list[OffloadKey]:
         """The keys of the blocks beyond `hit` up to `tokens`, of the groups stored by
-        position, first blocks first (at most `FIND_KEYS`)."""
+        position, first blocks first (at most `FIND_KEYS`; one per group: `first_only`)."""
         keys: list[OffloadKey] = []
         for g, spec in enumerate(self.specs):
             if g in self._states.groups or g in self._replayed:
@@ -230,6 +252,8 @@ class OffloadScheduler:
             per_block = spec.block_size // self.hash_block_size
             first = hit.num_tokens // spec.block_size
             last = min(tokens // spec.block_size, len(request.block_hashes) // per_block)
+            if first_only:
+                last = min(last, first + 1)
             keys += [(self._hash_of(request, g, i), g) for i in range(first, last)]
         return keys[:FIND_KEYS]
 

@@ -17,11 +17,15 @@ every other request keeps running):
   engine that was idle for minutes would miss what others stored meanwhile.
 
 While a request waits, the keys it lacks go out in the step's metadata (`find`, at most
-`FIND_KEYS` per request, again every `FIND_INTERVAL_S`): each rank asks its storage tier
-itself (`kv_offload.vllm.worker.finder`), so the cost is proportional to the request, never
-to the store. A busy engine's first lookups do not wait (its reports are fresh; keys others
-stored reach it through the tiers' refresh: `docs/tiers.md`), but still ask, so the next
-request with that prefix finds them.
+`FIND_KEYS` per request): each rank asks its storage tier itself
+(`kv_offload.vllm.worker.finder`), so the cost is proportional to the request, never to the
+store. A remote wait asks again every `FIND_INTERVAL_S` (the prefill server may still be
+writing); a find wait asks first for the first missing block of each group (a prompt
+nobody stored, the usual case, costs one question per group) and, only if that was there,
+for the rest, and ends once every rank has answered (each report says which step's
+questions it answered: `RankReport.found_through`). A busy engine's first lookups neither
+wait nor ask: its reports are fresh, and keys others store reach it through the tiers'
+refresh (`docs/tiers.md`).
 
 Own state: the waits in progress, by request, and counters the connector turns into
 metrics (`take_counts`).
@@ -51,6 +55,8 @@ class Wait:
     until: float
     next_find: float
     find_step: int | None = None  # the plan step its last `find` went out with
+    rounds: int = 0  # `find`s sent
+    hit_at_find: int = 0  # (find: the hit when its first question went out)
 
 
 class StoreWaits:

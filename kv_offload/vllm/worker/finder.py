@@ -14,9 +14,11 @@ that started while its storage tier was unreachable (`TieredStore.settle_generat
 same thread, because it is the same kind of work (bounded I/O to the store that must never
 hold the engine's lock).
 
-Own state: a queue of key lists and one daemon thread. The store is read through the
-worker's callables under the worker's lock only to name the keys (`keys_to_find`); the I/O
-runs without it, so a slow store never holds the lock the engine's step takes.
+Own state: a queue of key lists and one daemon thread. It never takes the worker's lock: an
+idle engine steps in a busy loop that takes that lock again and again, and a thread waiting
+behind it answered in hundreds of milliseconds instead of one step. It names the keys from
+memory (`keys_to_find`, reads only), asks the tier, and records the step it answered for;
+the worker's next report takes in what the tier adopted and says so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ IDLE_CALL_S = 2.0  # with nothing to find, the idle call runs this often
 
 
 class Finder:
-    """One daemon thread running `names_of` (it takes the caller's lock) then `find` for
+    """One daemon thread running `names_of` (reads only) then `find` for
     each list of keys it is given, then `found(step)` with the plan step the list came
     with (the worker moves what the tier found into its report, then says so), also when
     the list failed: the scheduler side must not wait for an answer that never comes."""

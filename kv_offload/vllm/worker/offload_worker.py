@@ -117,7 +117,8 @@ class OffloadWorker:
         self._suspended = False  # vLLM's sleep mode unmapped engine memory: touch none of it
         self._pump: Pump | None = None
         self._finder: Finder | None = None  # (set up at `register`)
-        self._found_through = -1  # the last plan step whose `find` keys were asked for
+        self._found_ready = -1  # the last plan step whose `find` keys the finder asked for
+        self._found_through = -1  # ... and whose answers a report has taken in
         self.identity = ""  # (the TP-free namespace's fingerprint, hashed: at `register`)
         # Key changes the pump took ahead of the next report, as the report's columns, so
         # `report` on the step path only hands them over (bounded by REPORT_MAX_KEYS).
@@ -225,8 +226,11 @@ class OffloadWorker:
             self._finder.ask(self._step, keys)
 
     def _keys_to_find(self, keys: Sequence[OffloadKey]) -> list[bytes]:
-        with self._lock:
-            return [] if self.store is None else self.store.keys_to_find(keys)
+        # Without the lock: an idle engine steps in a busy loop that takes it again and
+        # again, and the finder would wait behind it. Reads only; a stale answer asks the
+        # tier about a key it is already known to hold, which costs one question.
+        store = self.store
+        return [] if store is None else store.keys_to_find(keys)
 
     def _settle_generation(self) -> None:
         """The finder's idle call: join the fleet's key generation once the storage tier
@@ -241,15 +245,9 @@ class OffloadWorker:
                     self.store.settle_generation(generation)
 
     def _found(self, step: int) -> None:
-        """The finder asked the tier for the keys of `step`: what it holds goes into the
-        report before the report says so."""
-        with self._lock:
-            if self.store is not None:
-                self._pump_once()  # (the store takes in what its tier adopted...)
-                self._take_changes()  # (...and the report takes it from the store)
-            self._found_through = max(self._found_through, step)
-        if self._pump is not None:
-            self._pump.wake()
+        """The finder asked the tier for the keys of `step`: the next report takes in what
+        the tier adopted, then says so (`report`; no lock here, for the same reason)."""
+        self._found_ready = max(self._found_ready, step)
 
     def protect(self, keys: Sequence[OffloadKey]) -> None:
         """Keys of the hits the scheduler's lookups found: the tiers keep them longer."""
@@ -478,6 +476,10 @@ class OffloadWorker:
         `REPORT_MAX_KEYS`; an inventory found at start-up streams over several steps)."""
         with self._lock:
             try:
+                ready = self._found_ready
+                if ready > self._found_through:  # (what the finder found: one batch)
+                    self.store.absorb_storage_changes()
+                    self._found_through = ready
                 self._take_changes()  # (what arrived since the pump's last round: a few)
             except Exception as exc:  # report what was taken; the rest stays pending
                 self.faults.failed("report", exc)
