@@ -15,6 +15,11 @@ holds it), greedy, streamed, `--max-tokens` generated; side by side in one run:
   P/D pipeline        TTFT through the proxy: prefill, then decode, as a client sees it
 
 Medians over `--repeats` x `--prompts` measurements (each case on its own fresh prompts).
+Every measurement starts `--pause-s` after the last one ended, so that each server is as
+idle as the others when it is asked (three vLLM CPU servers share the cores; a server asked
+right after another one worked measured up to a second slower, whatever the case). The
+model is a random-weight Llama of `--layers` x `--hidden` (its prefill must cost something
+for loading it to be worth anything).
 
     python benchmarks/bench_pd.py --json bench-pd.json
 """
@@ -91,10 +96,15 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pause-s", type=float, default=1.5)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-pd-"))
-    model = str(build_llama(work / "llama", max_positions=4096))
+    model = str(build_llama(work / "llama", layers=args.layers, hidden=args.hidden,
+                            heads=args.hidden // 64, kv_heads=args.hidden // 128,
+                            max_positions=4096))
     settings = {"model": model, "max_model_len": 4096, "kv_cache_memory_bytes": 256 << 20}
     counter = iter(range(10**6))
 
@@ -107,6 +117,7 @@ def main() -> int:
     def add(case: str, seconds: float, hit: int | None = None) -> None:
         times.setdefault(case, []).append(seconds)
         cached.setdefault(case, []).append(hit)
+        time.sleep(args.pause_s)
 
     one = VllmServer(ServerSettings(**settings), work, name="one-server")
     p = VllmServer(ServerSettings(**settings, kv_transfer_config=transfer_config(
