@@ -98,6 +98,13 @@ class OffloadConfig:
     blocks a prefill server promised in kv_transfer_params (then it loads what is there and
     recomputes the rest). The request waits in vLLM's queue holding no engine blocks; every
     other request keeps running."""
+    find_on_lookup: str = "when_idle"
+    """Whether a request's first lookup asks the storage tier itself for blocks other
+    engines stored (and waits for the answer: a step or two) before it is answered:
+    'when_idle' (an engine that ran no forward for 0.5 s, whose reports are stale),
+    'always' (busy engines too: what others stored is found whatever the tier's refresh
+    interval, and a prompt nobody stored waits a step or two more), or 'never'
+    (kv_offload/vllm/scheduler/store_waits.py)."""
     model_identity: str | None = None
     """The model's identity as the operator names it (e.g. a deploy version), in place of the
     digest of every byte of its weight files: it must change whenever the weights do. Needed
@@ -191,6 +198,12 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
                               f"long a decode server waits for a prefill server's blocks), "
                               f"got {seconds!r}")
         values["remote_wait_s"] = float(seconds)
+    if "find_on_lookup" in extra:
+        mode = extra["find_on_lookup"]
+        if mode not in ("when_idle", "always", "never"):
+            raise ConfigError(f"find_on_lookup must be 'when_idle', 'always' or 'never', "
+                              f"got {mode!r}")
+        values["find_on_lookup"] = mode
     if "copy_timeout_s" in extra:
         seconds = extra["copy_timeout_s"]
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \

@@ -98,7 +98,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     self.config.in_step_load_bytes, read_budget_s=self.config.in_step_read_s,
                     world_size=world_size),
                 role=transfer_config.kv_role or "kv_both",
-                waits=StoreWaits(self.config.remote_wait_s, storage=choice is not None))
+                waits=StoreWaits(self.config.remote_wait_s, storage=choice is not None,
+                                 find_on_lookup=self.config.find_on_lookup))
             self._faults = FaultLog("kv-offload scheduler")
         else:
             rank = _worker_rank(parallel)

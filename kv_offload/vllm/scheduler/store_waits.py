@@ -11,10 +11,15 @@ every other request keeps running):
   prefill server's promise (`kv_offload.vllm.pd_params`): it waits until the promised
   blocks are known on every rank, or `remote_wait_s` passes (then it loads what is there
   and recomputes the rest: a missed deadline, counted).
-- **find** (an engine that was idle): the first lookup of a request, on an engine with a
-  storage tier that ran no forward for `IDLE_S`, waits at most `FIND_WAIT_S` for the
-  ranks' answer: an idle engine's reports are as old as its last step, so without it an
-  engine that was idle for minutes would miss what others stored meanwhile.
+- **find** (`find_on_lookup`, on an engine with a storage tier): the first lookup of a
+  request waits at most `FIND_WAIT_S` for the ranks' answer. `"when_idle"` (the default):
+  only on an engine that ran no forward for `IDLE_S`, whose reports are as old as its last
+  step (without it an engine idle for minutes would miss what others stored meanwhile); a
+  busy engine's reports are fresh and what others store reaches it with its tier's refresh
+  (0.5 s on Valkey, `rescan_interval_s`, 5 s, on a directory). `"always"`: busy engines
+  too, so what others stored is found within one answer (a step or two) whatever the
+  tier's refresh, at the price of a step or two more before a prompt nobody stored is
+  computed. `"never"`: no find waits.
 
 While a request waits, the keys it lacks go out in the step's metadata (`find`, at most
 `FIND_KEYS` per request): each rank asks its storage tier itself
@@ -62,9 +67,11 @@ class Wait:
 class StoreWaits:
     """The waits in progress (see the module docstring)."""
 
-    def __init__(self, remote_wait_s: float, *, storage: bool) -> None:
+    def __init__(self, remote_wait_s: float, *, storage: bool,
+                 find_on_lookup: str = "when_idle") -> None:
         self.remote_wait_s = remote_wait_s
         self.storage = storage  # (no storage tier: nothing another engine stores is ours)
+        self.find_on_lookup = find_on_lookup  # "when_idle", "always" or "never"
         self._waits: dict[str, Wait] = {}
         self._last_forward = time.monotonic()
         self._counts: Counter[str] = Counter()
@@ -77,7 +84,8 @@ class StoreWaits:
         """Start waiting for `tokens` (once per request); None where this kind does not
         wait here (an engine that was busy; no storage tier for a find)."""
         now = time.monotonic()
-        if kind == FIND and (not self.storage or now - self._last_forward < IDLE_S):
+        if kind == FIND and (not self.storage or self.find_on_lookup == "never" or (
+                self.find_on_lookup == "when_idle" and now - self._last_forward < IDLE_S)):
             return None
         limit = self.remote_wait_s if kind == REMOTE else FIND_WAIT_S
         wait = self._waits[request_id] = Wait(kind, tokens, now, now + limit, now)

@@ -139,3 +139,24 @@ def test_an_engine_that_was_idle_finds_what_another_stored(engines, shared_dir):
     request = idle.add("B")
     steps = idle.step_until(lambda s: request.is_finished(), "B finished")
     assert first_scheduled(steps, "B").num_computed_tokens == HIT_TOKENS
+
+
+@pytest.mark.parametrize("mode", ["when_idle", "always"])
+def test_a_busy_engine_finds_what_another_stored_when_it_asks_always(engines, shared_dir,
+                                                                      mode):
+    """Busy: a long request keeps the engine stepping. Its view never refreshes (an hour),
+    so only asking the store finds what the other engine stored: with 'always' the first
+    lookup asks and waits a step or two; with 'when_idle' a busy engine does not ask."""
+    busy = engines({**shared_dir, "find_on_lookup": mode})
+    other = engines(shared_dir)
+    other.run_to_completion("A")
+    assert other.runner.worker.store.flush()
+    busy.add("long", max_tokens=200, prompt=[t + 5 for t in PROMPT])
+    busy.step_until(lambda s: "long" in s.output.num_scheduled_tokens, "long ran")
+    for _ in range(3):  # (it runs: every step has a forward)
+        assert "long" in busy.step().output.num_scheduled_tokens
+    request = busy.add("B")
+    steps = busy.step_until(lambda s: "B" in s.output.num_scheduled_tokens, "B ran")
+    served = first_scheduled(steps, "B").num_computed_tokens
+    assert served == (HIT_TOKENS if mode == "always" else 0)
+    assert not request.is_finished() or served
