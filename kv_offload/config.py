@@ -14,6 +14,7 @@ that check at start-up, before the model loads, with the same `ConfigError`s.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import warnings
@@ -158,7 +159,11 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     accepted = [f.name for f in fields(OffloadConfig)]
     unknown = sorted(set(extra) - set(accepted))
     if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in kv_connector_extra_config; "
+        # (a typo names its fix: the nearest accepted key, where one is close)
+        hints = [f"{key!r}: did you mean {close[0]!r}?" for key in unknown
+                 if (close := difflib.get_close_matches(key, accepted, n=1, cutoff=0.75))]
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise ConfigError(f"unknown key(s) {unknown} in kv_connector_extra_config{hint}; "
                           f"accepted keys: {accepted}")
     if "cpu_bytes_to_use" not in extra:
         raise ConfigError("cpu_bytes_to_use is required (bytes of host memory for the CPU "

@@ -27,8 +27,9 @@ from kv_offload.tools.report import SubcommandParser
 DESCRIPTION = """\
 Offload the KV cache of vLLM to host memory, disk and shared stores: see it work (demo),
 look at what would be offloaded (inspect), measure the tiers (bench), check a running
-server (serve-check), create the secret file a shared store needs (secret new), split
-requests between prefill and decode servers (proxy).
+server (serve-check), check a configuration without starting vLLM (check-config), create
+the secret file a shared store needs (secret new), split requests between prefill and
+decode servers (proxy).
 
 Every subcommand but secret and proxy prints a table; --json PATH also writes the results
 as JSON ('-': the JSON to stdout, the table to stderr). Progress goes to stderr. Exit
@@ -83,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "byte checked.")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+
+    from kv_offload.tools import check_config_cmd
+
+    check_config = commands.add_parser(
+        "check-config", help="run every start-up check of a --kv-transfer-config, no vLLM",
+        description=check_config_cmd.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    check_config_cmd.add_check_config_arguments(check_config)
+    check_config.set_defaults(run=check_config_cmd.run_check_config)
 
     from kv_offload.tools.secret_cmd import add_secret_arguments
 
