@@ -37,6 +37,7 @@ from kv_offload.types import Location
 from kv_offload.vllm import startup_error
 from kv_offload.vllm import stats as offload_stats
 from kv_offload.vllm.fingerprint import fingerprint_extra
+from kv_offload.vllm.logs import adopt_vllm_logging
 from kv_offload.vllm.metadata import KVOffloadMetadata
 from kv_offload.vllm.scheduler.in_step_loads import InStepLoads
 from kv_offload.vllm.scheduler.kv_events import kv_events_enabled, make_kv_events
@@ -67,6 +68,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()  # (our INFO lines in the engine's log: logs.py)
         if kv_cache_config is None:
             raise ConfigError("KVOffloadConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         transfer_config = vllm_config.kv_transfer_config

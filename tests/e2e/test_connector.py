@@ -10,6 +10,7 @@ logprobs, not only the argmax, are what a wrong byte of KV would show up in.)
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,20 @@ def test_connector_metrics_reach_vllm_prometheus(runs, model):
     assert by_name["vllm:kv_offload_hit_tokens"] == sum(cached(from_host))
     assert by_name["vllm:kv_offload_loaded_bytes"] > 0
     assert by_name["vllm:kv_offload_stored_bytes"] > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_each_ranks_start_up_line_reaches_the_engines_log_in_vllms_format(runs, model):
+    """Our INFO lines went nowhere: vLLM gives only its own logger a handler."""
+    log = (runs[model]["work"] / "offload" / "engine.log").read_text()
+    lines = [line for line in log.splitlines() if "kv-offload rank 0: host tier" in line]
+    assert len(lines) == 1, log[-3000:]
+    [line] = lines  # vLLM's format: level, date, [file:line], then ours
+    assert re.match(r"^(\(\w+ pid=\d+\) )?INFO \d\d-\d\d [\d:]+ \[offload_worker\.py:\d+\] "
+                    r"kv-offload rank 0: host tier", line), line
+    assert "storage tier: filesystem" in line and "records unauthenticated" in line
+    assert any("kv-offload rank 0: weights identified by content" in ln
+               for ln in log.splitlines())
 
 
 @pytest.mark.parametrize("model", MODELS)
