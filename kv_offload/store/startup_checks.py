@@ -34,7 +34,7 @@ from typing import Any
 
 from kv_offload.backends import check_storage_config, storage_choice, tier_class
 from kv_offload.backends.common.sealing import check_crypto_available
-from kv_offload.config import OffloadConfig, parse_config, parse_size
+from kv_offload.config import OffloadConfig, format_size, parse_config, parse_size
 from kv_offload.errors import ConfigError
 from kv_offload.specs import KVCacheGroup
 from kv_offload.store.policies import POLICIES, make_policy
@@ -109,24 +109,24 @@ def check_startup(config: OffloadConfig, groups: Sequence[KVCacheGroup], *,
     block = block_bytes(groups)
     if block and config.cpu_bytes_to_use < block:
         raise ConfigError(
-            f"cpu_bytes_to_use={config.cpu_bytes_to_use} holds no block: one block of this "
-            f"model takes {block} bytes per rank; set cpu_bytes_to_use to at least {block} "
-            f"(for real use, thousands of blocks)")
+            f"cpu_bytes_to_use={_size(config.cpu_bytes_to_use)} holds no block: one block "
+            f"of this model takes {_size(block)} per rank; set cpu_bytes_to_use to at least "
+            f"{_size(block)} (for real use, thousands of blocks)")
     available = available_host_memory() if available is None else available
     wanted = config.cpu_bytes_to_use * local_ranks
     if available is not None and wanted > available:
         raise ConfigError(
-            f"cpu_bytes_to_use={config.cpu_bytes_to_use} x {local_ranks} rank(s) = {wanted} "
-            f"bytes of host memory, but only {available} are available on this machine; "
-            f"lower cpu_bytes_to_use (it is per worker rank)")
+            f"cpu_bytes_to_use={_size(config.cpu_bytes_to_use)} x {local_ranks} rank(s) = "
+            f"{_size(wanted)} of host memory, but only {_size(available)} are available on "
+            f"this machine; lower cpu_bytes_to_use (it is per worker rank)")
     disk = _disk_tier(config)
     if disk is not None:
         _check_writable_dir(disk.root, disk.root_key)
         smallest = block + FILE_HEADER_ALLOWANCE
         if disk.budget is not None and disk.budget < smallest:
             raise ConfigError(
-                f"{disk.budget_key}={disk.budget} cannot hold one block file "
-                f"({smallest} bytes with its header): the disk tier would store nothing; "
+                f"{disk.budget_key}={_size(disk.budget)} cannot hold one block file "
+                f"({_size(smallest)} with its header): the disk tier would store nothing; "
                 f"raise {disk.budget_key} or remove {disk.root_key}")
 
 
@@ -177,3 +177,9 @@ def _check_writable_dir(root: str, key: str) -> None:
         raise ConfigError(f"{key}={root!r} is not a writable directory: "
                           f"{e.strerror or e}; expected a directory this process can create "
                           f"files in") from e
+
+
+def _size(num_bytes: int) -> str:
+    """A byte count in an error: human units, with the exact count where they round."""
+    human = format_size(num_bytes)
+    return human if human.endswith(" B") else f"{human} ({num_bytes} bytes)"

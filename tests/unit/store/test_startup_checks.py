@@ -119,3 +119,13 @@ def test_the_host_pool_is_exactly_whole_slots_within_the_budget():
     pool = allocate_pool(layout, budget, pin=False)
     assert pool.shape == (20, layout.slot_bytes)
     assert pool.numel() <= budget
+
+
+def test_sizes_in_errors_read_in_human_units_beside_the_exact_count():
+    """A size error printed raw bytes (`536870912000`) a reader had to count."""
+    config = parse_config({"cpu_bytes_to_use": "500GiB"})
+    with pytest.raises(ConfigError) as err:
+        check_startup(config, (), local_ranks=2, available=64 << 30)
+    message = str(err.value)
+    assert "cpu_bytes_to_use=500.0 GiB (536870912000 bytes) x 2 rank(s) = 1000.0 GiB" in message
+    assert "only 64.0 GiB (68719476736 bytes) are available" in message
