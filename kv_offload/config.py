@@ -99,6 +99,10 @@ class OffloadConfig:
     blocks a prefill server promised in kv_transfer_params (then it loads what is there and
     recomputes the rest). The request waits in vLLM's queue holding no engine blocks; every
     other request keeps running."""
+    require_storage: bool = False
+    """Stop the engine at start-up when its storage tier cannot be reached (a wrong host
+    name, a store that is down), instead of starting with host memory only until it
+    answers (the default, with a warning naming the tier)."""
     find_on_lookup: str = "when_idle"
     """Whether a request's first lookup asks the storage tier itself for blocks other
     engines stored (and waits for the answer: a step or two) before it is answered:
@@ -223,7 +227,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         values["block_size"] = block
     if "eviction_policy" in extra:  # (the store's policies judge it: check_config)
         values["eviction_policy"] = extra["eviction_policy"]
-    for flag in ("fs_fsync", "layer_wise"):
+    for flag in ("fs_fsync", "layer_wise", "require_storage"):
         if flag in extra:
             if not isinstance(extra[flag], bool):
                 raise ConfigError(f"{flag} must be true or false, got {extra[flag]!r}")

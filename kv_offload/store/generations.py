@@ -80,9 +80,10 @@ def read_stored_generation(tier: StorageTier, codec: RecordCodec, fingerprint: s
     except Exception as exc:
         if quiet:  # (asked again during an outage: said once, at start-up)
             return StoredGeneration(None, unreachable=True)
-        logger.warning("kv-offload: could not read the key generation from the storage tier "
-                       "(%s); starting a fresh one (a cold cache, never keys from before a "
-                       "reset) until the tier answers", exc)
+        logger.warning("kv-offload: the storage tier (%s) cannot be reached at start-up "
+                       "(%s): this engine runs with host memory only until it answers, then "
+                       "joins the key generation the others use (set require_storage to "
+                       "stop instead)", tier.describe(), exc)
         return StoredGeneration(None, unreachable=True)
     out = bytearray(GENERATION_BYTES)
     got = unpack_into(record, GENERATION_KEY, fingerprint, memoryview(out),

@@ -42,6 +42,7 @@ from kv_offload.backends.base import StorageTier, TierStats
 from kv_offload.backends.record import CHECKSUM, RecordCodec
 from kv_offload.canonical import CanonicalKVCaches
 from kv_offload.config import OffloadConfig, format_size
+from kv_offload.errors import ConfigError
 from kv_offload.kernels.runtime import EngineReady
 from kv_offload.runtime.faults import FaultLog
 from kv_offload.store.generations import read_stored_generation, write_stored_generation
@@ -179,11 +180,19 @@ class TieredStore:
         storage = make_storage_tier(config, fingerprint, codec)  # (storage_tier, or fs_*)
         if storage is not None and records is not None:
             storage = TPRecordTier(storage, records)
-        return cls(canonical, config.cpu_bytes_to_use, storage=storage, codec=codec,
-                   eviction_policy=config.eviction_policy, fingerprint=fingerprint,
-                   report_storage_copies=report_storage_copies,
-                   probe_bytes=probe_bytes_for(config, len(canonical.group_refs)),
-                   copy_timeout_s=config.copy_timeout_s)
+        store = cls(canonical, config.cpu_bytes_to_use, storage=storage, codec=codec,
+                    eviction_policy=config.eviction_policy, fingerprint=fingerprint,
+                    report_storage_copies=report_storage_copies,
+                    probe_bytes=probe_bytes_for(config, len(canonical.group_refs)),
+                    copy_timeout_s=config.copy_timeout_s)
+        if config.require_storage and store.generation_unsettled:
+            store.close()  # (start-up: the engine stops with the error)
+            raise ConfigError(
+                f"require_storage is set and storage_tier {config.storage_tier!r} "
+                f"({storage.describe()}) cannot be reached at start-up; start it, fix its "
+                f"address, or unset require_storage to start with host memory only until "
+                f"it answers")
+        return store
 
     # --- queries (memory only) ---
 

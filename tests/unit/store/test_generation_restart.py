@@ -17,6 +17,7 @@ from kv_offload.backends.common.sealing import Authenticated
 from kv_offload.backends.example import DictTier
 from kv_offload.backends.filesystem.fileformat import GENERATION_NAME
 from kv_offload.config import parse_config
+from kv_offload.errors import ConfigError
 from kv_offload.store.generations import GENERATION_KEY, generation_record
 from kv_offload.store.key_view import FIRST_GENERATION
 from kv_offload.store.tiered import TieredStore, layout_fingerprint
@@ -263,3 +264,23 @@ def test_an_engine_started_while_its_store_was_down_joins_the_fleet_once_it_is_b
     finally:
         late.close()
         server.stop()
+
+
+def test_require_storage_stops_the_start_when_the_store_cannot_be_reached(tmp_path, caplog):
+    """Without it a wrong host name started a healthy server with host memory only, said
+    by one anonymous warning; with it the engine stops with the fix."""
+    pytest.importorskip("redis")
+    _, canonical = hybrid()
+    fingerprint = layout_fingerprint(canonical, "test-model")
+    extra = {"cpu_bytes_to_use": "8MiB", "storage_tier": "valkey",
+             "secret_file": secret(tmp_path),
+             "storage_options": {"url": "redis://127.0.0.1:1/0", "timeout_s": 0.5,
+                                 "request_timeout_s": 1}}
+    with caplog.at_level(logging.WARNING, logger="kv_offload"):
+        started = TieredStore.from_config(canonical, parse_config(extra), fingerprint)
+    started.close()
+    assert any("cannot be reached at start-up" in r.getMessage() and
+               "redis://127.0.0.1:1/0" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="require_storage is set and storage_tier 'valkey'"):
+        TieredStore.from_config(canonical, parse_config({**extra, "require_storage": True}),
+                                fingerprint)
