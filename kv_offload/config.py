@@ -192,21 +192,13 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         values["in_step_load_bytes"] = 0 if budget in (0, "0") and budget is not False \
             else parse_size("in_step_load_bytes", budget)
     if "in_step_read_s" in extra:
-        seconds = extra["in_step_read_s"]
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
-                not 0 <= seconds <= 10:
-            raise ConfigError(f"in_step_read_s must be a number of seconds from 0 to 10 "
-                              f"(0: reads from the storage tier always load asynchronously), "
-                              f"got {seconds!r}")
-        values["in_step_read_s"] = float(seconds)
+        values["in_step_read_s"] = _seconds(
+            "in_step_read_s", extra["in_step_read_s"], 10,
+            "0: reads from the storage tier always load asynchronously")
     if "remote_wait_s" in extra:
-        seconds = extra["remote_wait_s"]
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
-                not 0 <= seconds <= 600:
-            raise ConfigError(f"remote_wait_s must be a number of seconds from 0 to 600 (how "
-                              f"long a decode server waits for a prefill server's blocks), "
-                              f"got {seconds!r}")
-        values["remote_wait_s"] = float(seconds)
+        values["remote_wait_s"] = _seconds(
+            "remote_wait_s", extra["remote_wait_s"], 600,
+            "how long a decode server waits for a prefill server's blocks")
     if "find_on_lookup" in extra:
         mode = extra["find_on_lookup"]
         if mode not in ("when_idle", "always", "never"):
@@ -242,6 +234,15 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     values.update(_parse_secret(extra))
     values.update(_parse_model_identity(extra))
     return OffloadConfig(**values)
+
+
+def _seconds(key: str, value: Any, most: float, meaning: str) -> float:
+    """A number of seconds from 0 to `most`; names `key`, the range and `meaning` on error."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not 0 <= value <= most:
+        raise ConfigError(f"{key} must be a number of seconds from 0 to {most:g} ({meaning}), "
+                          f"got {value!r}")
+    return float(value)
 
 
 def _parse_model_identity(extra: Mapping[str, Any]) -> dict[str, Any]:

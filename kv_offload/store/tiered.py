@@ -35,6 +35,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -69,6 +70,14 @@ from kv_offload.store.tp.records import RankRecords
 from kv_offload.types import Direction, GroupBlocks, KeyChanges, Location, OffloadKey
 
 logger = logging.getLogger("kv_offload")
+
+
+@dataclass(frozen=True)
+class FleetGeneration:
+    """The key generation a storage tier keeps, and the keys it holds in it."""
+
+    generation: bytes
+    keys: list[OffloadKey]
 
 ABSORB_PER_POLL = 1024  # storage-tier changes taken per poll (bounds the work under the lock)
 PROTECT_PENDING_SLOTS = 4  # keys protected before they land, remembered: x the host slots
@@ -200,10 +209,11 @@ class TieredStore:
         """Where each key can be loaded from (never touches the storage tier)."""
         return self.tiers.lookup(keys)
 
-    def read_fleet_generation(self) -> bytes | None:
-        """Bounded I/O, without the caller's lock: the generation the storage tier keeps
-        now (this engine's own, stored, if it keeps none), or None while it is still
-        unreachable. For `settle_generation`."""
+    def read_fleet_generation(self) -> FleetGeneration | None:
+        """Bounded I/O and the tier's key listing, without the caller's lock: the
+        generation the storage tier keeps now (this engine's own, stored, if it keeps
+        none) and the keys the tier holds in it, or None while it is still unreachable.
+        For `settle_generation`."""
         storage = self.storage
         if storage is None:
             return None
@@ -211,20 +221,23 @@ class TieredStore:
                                         fresh=self.tiers.generation, quiet=True)
         if stored.unreachable:
             return None
-        return stored.generation or self.tiers.generation  # (a bad record: keep ours)
+        generation = stored.generation or self.tiers.generation  # (a bad record: ours)
+        if generation == self.tiers.generation:
+            return FleetGeneration(generation, [])
+        names = self._guarded("storage keys", storage.keys, None) or ()
+        return FleetGeneration(generation, [k for k in (offload_key(n, generation)
+                                                        for n in names) if k is not None])
 
-    def settle_generation(self, generation: bytes) -> None:
+    def settle_generation(self, fleet: FleetGeneration) -> None:
         """Caller's lock: adopt the fleet's key generation, found once the storage tier
         answered (this engine started while it could not be reached): what the tier holds
         in it becomes servable, keys stored under the engine's interim one are forgotten
-        (they age out), host memory stays. O(keys the tier lists)."""
+        (they age out), host memory stays. O(keys in it), once."""
         self.generation_unsettled = False
-        if generation == self.tiers.generation or self.storage is None:
+        if fleet.generation == self.tiers.generation or self.storage is None:
             return
-        self.tiers.generation = generation
-        names = self._guarded("storage keys", self.storage.keys, None) or ()
-        self.view.replace_storage(k for k in (offload_key(n, generation) for n in names)
-                                  if k is not None)
+        self.tiers.generation = fleet.generation
+        self.view.replace_storage(fleet.keys)
         logger.warning("kv-offload: the storage tier answers again; joined the key "
                        "generation the engines sharing it use (what this engine stored "
                        "while it could not see it is dropped)")

@@ -127,3 +127,13 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+def drain_changes(tier) -> tuple[set[bytes], set[bytes]]:
+    """Everything ``take_changes`` has to report now: (added, removed)."""
+    added: set[bytes] = set()
+    removed: set[bytes] = set()
+    while changes := tier.take_changes(1000):
+        added |= set(changes.added)
+        removed |= set(changes.removed)
+    return added, removed

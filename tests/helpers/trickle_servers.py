@@ -31,6 +31,28 @@ LISTING = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
            b"</ListBucketResult>")
 
 
+def accept_put(handler: BaseHTTPRequestHandler) -> bytes:
+    """Take a PUT's body and answer it as S3 does (200, an ETag); the body."""
+    body = handler.rfile.read(int(handler.headers.get("Content-Length", 0)))
+    handler.send_response(200)
+    handler.send_header("ETag", '"0"')
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+    return body
+
+
+def answered_listing(handler: BaseHTTPRequestHandler) -> bool:
+    """Answer a ListObjectsV2 GET with an empty listing; whether the GET was one."""
+    if "list-type=2" not in handler.path:
+        return False
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/xml")
+    handler.send_header("Content-Length", str(len(LISTING)))
+    handler.end_headers()
+    handler.wfile.write(LISTING)
+    return True
+
+
 class _Trickle:
     def __init__(self, interval_s: float, trickle_for_s: float) -> None:
         self.interval_s = interval_s
@@ -146,19 +168,10 @@ class TrickleS3Server(_Serving):
                 pass
 
             def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(200)
-                self.send_header("ETag", '"0"')
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                accept_put(self)
 
             def do_GET(self) -> None:  # noqa: N802
-                if "list-type=2" in self.path:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(LISTING)))
-                    self.end_headers()
-                    self.wfile.write(LISTING)
+                if answered_listing(self):
                     return
                 size = 100_000
                 self.send_response(206)
@@ -195,20 +208,10 @@ class StallingS3Server(_Serving):
                 pass
 
             def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
-                objects[self.path.split("?")[0]] = self.rfile.read(
-                    int(self.headers.get("Content-Length", 0)))
-                self.send_response(200)
-                self.send_header("ETag", '"0"')
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                objects[self.path.split("?")[0]] = accept_put(self)
 
             def do_GET(self) -> None:  # noqa: N802
-                if "list-type=2" in self.path:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(LISTING)))
-                    self.end_headers()
-                    self.wfile.write(LISTING)
+                if answered_listing(self):
                     return
                 server.object_gets += 1
                 stored = objects.get(self.path.split("?")[0], b"")

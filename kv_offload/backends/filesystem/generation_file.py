@@ -51,16 +51,21 @@ def read_generation_file(layout_dir: str) -> bytes | None:
         os.close(fd)
 
 
+def _write_temp(temp: str, record: bytes) -> None:
+    """``record`` in a new private file ``temp``, fsync'd (resets must outlast a crash)."""
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, record)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_generation_file(layout_dir: str, temp_name: str, record: bytes) -> bool:
     """Replace the record; False (logged) if it could not be written."""
     path, temp = os.path.join(layout_dir, GENERATION_NAME), os.path.join(layout_dir, temp_name)
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, record)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_temp(temp, record)
         os.rename(temp, path)
     except OSError as e:
         unlink_quietly(temp)
@@ -74,12 +79,7 @@ def create_generation_file(layout_dir: str, temp_name: str, record: bytes) -> by
     OSError when it can be neither written nor read."""
     path, temp = os.path.join(layout_dir, GENERATION_NAME), os.path.join(layout_dir, temp_name)
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, record)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_temp(temp, record)
         try:
             os.link(temp, path)  # (fails if a record is there: the first one stays)
         except FileExistsError:

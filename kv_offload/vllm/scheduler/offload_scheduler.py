@@ -36,6 +36,7 @@ from itertools import compress
 from math import lcm
 from typing import Any
 
+from kv_offload.config import OffloadConfig
 from kv_offload.hits import CacheHit, StoreFrontier, find_longest_cache_hit
 from kv_offload.specs import KVCacheSpec
 from kv_offload.types import HOST_BIT, GroupBlocks, Location, OffloadKey
@@ -103,7 +104,7 @@ class OffloadScheduler:
         # vLLM's kv_role: a producer stores for others and loads nothing; a consumer loads
         # what others stored and stores nothing; kv_both does both (docs/disaggregated-prefill.md).
         self.loads_on, self.stores_on = role != "kv_producer", role != "kv_consumer"
-        self.waits = waits or StoreWaits(5.0, storage=False)
+        self.waits = waits or StoreWaits(OffloadConfig.remote_wait_s, storage=False)
         self.identity = ""  # the ranks' record identity, once they reported it
         self._found_through: dict[int, int] = {}  # per rank: `RankReport.found_through`
         self.in_step = in_step or InStepLoads(specs, [], 0)  # (default: all asynchronous)
@@ -251,11 +252,10 @@ class OffloadScheduler:
                 continue
             per_block = spec.block_size // self.hash_block_size
             first = hit.num_tokens // spec.block_size
-            last = min(tokens // spec.block_size, len(request.block_hashes) // per_block)
-            if first_only:
-                last = min(last, first + 1)
+            last = min(tokens // spec.block_size, len(request.block_hashes) // per_block,
+                       first + (1 if first_only else FIND_KEYS - len(keys)))
             keys += [(self._hash_of(request, g, i), g) for i in range(first, last)]
-        return keys[:FIND_KEYS]
+        return keys
 
     def transfer_params(self, request: Any) -> dict[str, Any] | None:
         """A finished prefill request's promise to the decode server (pd_params.py): the

@@ -238,11 +238,11 @@ class OffloadWorker:
         store = self.store
         if store is None or not store.generation_unsettled:
             return
-        generation = store.read_fleet_generation()
-        if generation is not None:
+        fleet = store.read_fleet_generation()  # (I/O and the listing: without the lock)
+        if fleet is not None:
             with self._lock:
                 if self.store is not None:
-                    self.store.settle_generation(generation)
+                    self.store.settle_generation(fleet)
 
     def _found(self, step: int) -> None:
         """The finder asked the tier for the keys of `step`: the next report takes in what

@@ -22,7 +22,7 @@ from kv_offload.backends.filesystem import FilesystemTier, FilesystemTierConfig,
 from kv_offload.errors import TierClosedError, TierRequestError
 
 from helpers.servers import make_bucket, unique_name
-from helpers.tier_helpers import random_bytes, read, wait, write
+from helpers.tier_helpers import drain_changes, random_bytes, read, wait, write
 
 
 @dataclass
@@ -238,16 +238,6 @@ def test_close_keeps_results_and_refuses_new_jobs(tier):
 
 
 # -- find: the store asked about named keys (issue 46) -------------------------------------
-
-
-def drain_changes(tier) -> tuple[set[bytes], set[bytes]]:
-    """Everything ``take_changes`` has to report now: (added, removed)."""
-    added: set[bytes] = set()
-    removed: set[bytes] = set()
-    while changes := tier.take_changes(1000):
-        added |= set(changes.added)
-        removed |= set(changes.removed)
-    return added, removed
 
 
 def test_find_sees_a_key_another_tier_stored_and_adopts_it(tier, other):

@@ -251,7 +251,7 @@ def test_an_engine_started_while_its_store_was_down_joins_the_fleet_once_it_is_b
         fleet = store_and_close(canonical, config, fingerprint, [1, 2])
         assert fleet.generation != late.generation
         found = late.read_fleet_generation()
-        assert found == fleet.generation
+        assert found.generation == fleet.generation
         late.settle_generation(found)
         assert not late.generation_unsettled and late.generation == fleet.generation
         deadline = time.monotonic() + 10  # (its refresher is off here: refresh by hand,

@@ -106,7 +106,7 @@ def test_a_promise_nobody_keeps_ends_at_its_deadline_while_others_run(engines, t
     ran_while_waiting = [s for s in steps if "O" in s.output.num_scheduled_tokens and
                          "W" not in s.output.num_scheduled_tokens]
     assert ran_while_waiting  # other requests are not held up by the wait
-    assert other.is_finished() or other.num_computed_tokens > 0
+    assert other.num_computed_tokens > 0
     assert counts.get("remote_deadlines_missed") == 1
 
 
@@ -155,8 +155,8 @@ def test_a_busy_engine_finds_what_another_stored_when_it_asks_always(engines, sh
     busy.step_until(lambda s: "long" in s.output.num_scheduled_tokens, "long ran")
     for _ in range(3):  # (it runs: every step has a forward)
         assert "long" in busy.step().output.num_scheduled_tokens
-    request = busy.add("B")
+    busy.add("B")
     steps = busy.step_until(lambda s: "B" in s.output.num_scheduled_tokens, "B ran")
     served = first_scheduled(steps, "B").num_computed_tokens
     assert served == (HIT_TOKENS if mode == "always" else 0)
-    assert not request.is_finished() or served
+    assert any(s.meta.find for s in steps) == (mode == "always")

@@ -19,7 +19,7 @@ from kv_offload.store.tp.records import HeadRange, Record, RecordOrder, TPShare,
 from kv_offload.store.tp.tier import TPRecordTier
 from kv_offload.testing.example_models import build_example
 
-from helpers.tier_helpers import random_bytes, write
+from helpers.tier_helpers import drain_changes, random_bytes, write
 
 
 def rank0_of_tp4(root: str) -> tuple[TPRecordTier, FilesystemTier]:
@@ -48,15 +48,6 @@ def store_record(other: FilesystemTier, rank: TPRecordTier, key: bytes, first: i
                  [random_bytes(recs.record_bytes(record), first * 10 + stop)]).ok
 
 
-def drain(tier: TPRecordTier) -> tuple[set[bytes], set[bytes]]:
-    added: set[bytes] = set()
-    removed: set[bytes] = set()
-    while changes := tier.take_changes(1000):
-        added |= set(changes.added)
-        removed |= set(changes.removed)
-    return added, removed
-
-
 def test_find_covers_a_rank_key_from_records_another_server_stored(tmp_path):
     rank, other = rank0_of_tp4(str(tmp_path))
     whole, half, nothing = (storage_key((bytes([n]) * 32, 0)) for n in (1, 2, 3))
@@ -66,12 +57,12 @@ def test_find_covers_a_rank_key_from_records_another_server_stored(tmp_path):
     assert rank.lookup(keys) == [False, False, False]
     assert rank.find(keys) == [True, False, False]
     assert rank.lookup(keys) == [True, False, False]
-    assert drain(rank) == ({whole}, set())  # once, though the record's "added" came too
+    assert drain_changes(rank) == ({whole}, set())  # once, though the record's "added" came too
     store_record(other, rank, half, 0, 1)  # now heads 0 and 1: covered by two records
     assert rank.find([half]) == [True]
     assert rank.lookup(keys) == [True, True, False]
-    assert drain(rank) == ({half}, set())
-    assert rank.find([nothing]) == [False] and drain(rank) == (set(), set())
+    assert drain_changes(rank) == ({half}, set())
+    assert rank.find([nothing]) == [False] and drain_changes(rank) == (set(), set())
     rank.close()
     other.close()
 
@@ -84,6 +75,6 @@ def test_take_changes_hands_out_found_keys_within_max_keys(tmp_path):
     assert rank.find(keys) == [True, True, True]
     first = rank.take_changes(2)
     assert len(first.added) == 2 and not first.removed
-    assert drain(rank) == (set(keys) - set(first.added), set())
+    assert drain_changes(rank) == (set(keys) - set(first.added), set())
     rank.close()
     other.close()
