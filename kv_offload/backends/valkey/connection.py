@@ -19,6 +19,14 @@ would double every wait; the tier's ``Outage`` decides when to try again). Value
 through the tier's zero-copy packer (packer.py) in both modes: the cluster client takes no
 ``command_packer``, so the connection class carries it.
 
+A pipeline (``pipelined``) that loses a cluster node's connection mid-flight runs once more:
+when another I/O thread meets a ``MOVED`` (a reshard, a failover), redis-py re-reads the slot
+table and drops the pooled connections of the node it asked, in use or not, so a batch in
+flight there fails with "Connection closed by server" (or, a redis-py race, with its socket
+already gone) although every node answers. Once more on fresh connections and the new slot
+table costs a round trip; a timeout is never repeated (that would double the wait on a
+stalled node).
+
 Which server a key lives on (``node_of``) and which servers hold keys (``primaries``) come
 from redis-py's slot table: no network call.
 """
@@ -27,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import ssl
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -51,6 +61,11 @@ from kv_offload.errors import ConfigError
 SERVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError,
                  SlotNotCoveredError, TryAgainError, RedisClusterException)
 SINGLE = "server"  # the one node name of a single-server connection
+# How a connection that redis-py's cluster client dropped under another thread fails inside
+# redis-py (see the module's docstring): a ConnectionError, or its socket already None
+# (``'NoneType' object has no attribute 'sendall'``, a TypeError from its readiness poll).
+# Only ever caught around redis-py's own calls, on a cluster, and tried once more.
+DROPPED_UNDER_US = (redis.ConnectionError, AttributeError, TypeError)
 
 
 def raise_server_error(replies: list) -> None:
@@ -218,6 +233,25 @@ class ValkeyConnection:
             self.config.url, retry=Retry(NoBackoff(), 0), health_check_interval=0,
             **self._pool_options())
         return redis.Redis(connection_pool=pool)
+
+    # -- commands ------------------------------------------------------------------------
+
+    def pipelined(self, queue: Callable[[Any], None]) -> list:
+        """The replies of one non-transactional pipeline whose commands ``queue`` adds (a
+        refused command is its reply; a server error raises). On a cluster, a connection
+        dropped mid-pipeline runs it once more (see the module's docstring): every command
+        queued here must be safe to repeat (reads, ``EXISTS``, ``SET NX``)."""
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            queue(pipe)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+                raise_server_error(replies)
+                return replies
+            except DROPPED_UNDER_US:  # (not a redis.TimeoutError: not a subclass)
+                if attempt == 2 or not self.cluster:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- topology ------------------------------------------------------------------------
 

@@ -210,7 +210,11 @@ def read_sized(connection, items: list[ReadItem]) -> list[tuple]:
     for item in items:
         commands += [("STRLEN", item.name), ("GETRANGE", item.name, 0, item.expected - 1)]
     connection.send_packed_command(connection.pack_commands(commands))
-    replies = _Replies(connection._sock)  # (redis-py's socket: ours, deadline-bounded)
+    sock = connection._sock  # (redis-py's socket: ours, deadline-bounded)
+    if sock is None:  # (closed under us: a cluster client's topology refresh drops the
+        # connections of the node it asked, in use or not)
+        raise redis.ConnectionError("the connection was closed before its replies arrived")
+    replies = _Replies(sock)
     out = []
     for item in items:
         held = replies.integer()

@@ -30,7 +30,6 @@ from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.connection import (
     SERVER_ERRORS,
     ValkeyConnection,
-    raise_server_error,
 )
 
 logger = logging.getLogger("kv_offload.backends.valkey.tier")  # (the tier's log lines)
@@ -91,11 +90,8 @@ class ValkeyFinds:
         if not outage.should_try():
             return None
         try:
-            pipe = self._conn.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._name_of(key))
-            replies = pipe.execute(raise_on_error=False)
-            raise_server_error(replies)
+            replies = self._conn.pipelined(
+                lambda pipe: [pipe.exists(self._name_of(key)) for key in keys])
             outage.succeeded()
         except SERVER_ERRORS as e:
             outage.failed(e)

@@ -38,9 +38,9 @@ from kv_offload.backends.record import (
 )
 from kv_offload.backends.valkey.config import ValkeyTierConfig
 from kv_offload.backends.valkey.connection import (
+    DROPPED_UNDER_US,
     SERVER_ERRORS,
     ValkeyConnection,
-    raise_server_error,
 )
 from kv_offload.backends.valkey.direct_reads import (
     InPlace,
@@ -121,8 +121,8 @@ class ValkeyReads:
             return None
         try:
             connection = pool.get_connection()
-        except SERVER_ERRORS:
-            if self._conn.cluster:
+        except (*SERVER_ERRORS, *DROPPED_UNDER_US):
+            if self._conn.cluster:  # (the pipeline path reconnects or opens the outage)
                 return None
             raise
         try:
@@ -132,7 +132,7 @@ class ValkeyReads:
             return None
         except BaseException as e:  # (mid-reply: what is left on the socket is not ours)
             connection.disconnect()
-            if self._conn.cluster and isinstance(e, SERVER_ERRORS):
+            if self._conn.cluster and isinstance(e, (*SERVER_ERRORS, *DROPPED_UNDER_US)):
                 return None
             raise
         finally:
@@ -142,12 +142,11 @@ class ValkeyReads:
     def _pipelined(self, items: list[ReadItem]) -> list[tuple]:
         """The same commands through redis-py's (cluster) pipeline, which follows MOVED and
         ASK and handles a failed node; values arrive as ``bytes``."""
-        pipe = self._conn.client.pipeline(transaction=False)
-        for item in items:
-            pipe.strlen(item.name)
-            pipe.getrange(item.name, 0, item.expected - 1)
-        replies = pipe.execute(raise_on_error=False)
-        raise_server_error(replies)
+        def queue(pipe) -> None:
+            for item in items:
+                pipe.strlen(item.name)
+                pipe.getrange(item.name, 0, item.expected - 1)
+        replies = self._conn.pipelined(queue)
         return list(zip(replies[::2], replies[1::2]))
 
     def _fill(self, key: bytes, held, value, buf: torch.Tensor) -> bool:

@@ -78,7 +78,6 @@ from kv_offload.backends.valkey.connection import (
     SERVER_ERRORS,
     SINGLE,
     ValkeyConnection,
-    raise_server_error,
 )
 from kv_offload.backends.valkey.crawl import ServerCrawl
 from kv_offload.backends.valkey.feed import KeyspaceFeed
@@ -349,22 +348,16 @@ class ValkeyTier(StorageTier):
                 self._book.count("write_failed", "write_failed_unreachable", n=len(batch))
                 return
             names = [self._name(key) for _, (key, _) in batch]
-            pipe = self._redis.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(name)
-            present = pipe.execute(raise_on_error=False)
-            raise_server_error(present)
+            present = self._conn.pipelined(lambda pipe: [pipe.exists(n) for n in names])
             refused = next((r for r in present if isinstance(r, Exception)), None)
             if refused is not None:
                 raise refused
             todo = [(item, name) for item, name, held in zip(batch, names, present) if not held]
             done += [i for (i, _), held in zip(batch, present) if held]
             self._book.count("write_skipped_present", n=len(done))
-            pipe = self._redis.pipeline(transaction=False)
-            for (_, (key, buf)), name in todo:
+            results = self._conn.pipelined(lambda pipe: [
                 pipe.set(name, self._encode(key, buf), nx=True)
-            results = pipe.execute(raise_on_error=False)
-            raise_server_error(results)
+                for (_, (key, buf)), name in todo])
             for ((i, (_, buf)), _), result in zip(todo, results):
                 if isinstance(result, Exception):  # e.g. OOM under maxmemory noeviction
                     self._book.count("write_failed", "write_failed_refused")

@@ -7,6 +7,7 @@ command the server's ACL refuses is a ConfigError at start."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import pytest
@@ -134,6 +135,40 @@ def test_keys_whose_slots_moved_to_another_primary_are_still_read_and_written(cl
     assert all(torch.equal(o, d) for o, d in zip(out, data))
     more, more_data = keys_and_data(50, 4)
     assert write(tier, more, more_data).ok
+    tier.close()
+
+
+def test_reads_racing_the_cluster_clients_topology_refresh_are_all_served(cluster):
+    # A MOVED met by one I/O thread (a reshard, a failover) makes redis-py re-read the slot
+    # table, which drops the pooled connections of the node it asks, in use or not: batches
+    # in flight there on other threads failed ("Connection closed by server", or a socket
+    # gone under the direct reader: a traceback) although every node answered. The refresh
+    # runs here in a loop beside the reads, as redis-py runs it on a MOVED.
+    tier = make_tier(cluster.url, connections=8, batch_bytes=4 * BLOCK)
+    keys, data = keys_and_data(400, 6)
+    assert write(tier, keys, data).ok
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.is_set():
+            tier._conn.client.nodes_manager.initialize()
+
+    refresher = threading.Thread(target=refresh)
+    refresher.start()
+    failed = []
+    try:
+        for _ in range(20):
+            out = [torch.empty(BLOCK, dtype=torch.uint8) for _ in keys]
+            result = read(tier, keys, out)
+            failed += result.failed_keys
+            assert all(torch.equal(o, d) for o, d, ok in zip(out, data, result.succeeded)
+                       if ok)
+            more, more_data = keys_and_data(40, 100 + _)
+            failed += write(tier, more, more_data).failed_keys
+    finally:
+        stop.set()
+        refresher.join()
+    assert not failed, f"{len(failed)} keys missed while the slot table was re-read"
     tier.close()
 
 
