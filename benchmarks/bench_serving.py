@@ -298,7 +298,7 @@ def print_table(rows: list[dict[str, Any]], comparison: dict[str, Any],
     for r in rows:
         off = r["offload"]
         hits = "-" if off is None else \
-            f"{off['hit_tokens_host']:.0f} / {off['hit_tokens_disk']:.0f}"
+            f"{off['hit_tokens_host']:.0f} / {off['hit_tokens_storage']:.0f}"
         failed = "-" if off is None else \
             f"{off['failed_load_blocks'] + off['failed_store_blocks']:.0f}"
         lines.append((r["mode"], str(r["errors"]), f"{r['wall_s']:.1f}",

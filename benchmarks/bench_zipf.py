@@ -59,7 +59,10 @@ COUNTERS = ("engine_wait_s", "hit_tokens", "hit_tokens_host", "hit_tokens_disk",
             "load_failed_blocks", "load_failed_jobs", "store_blocks", "store_failed_blocks",
             "store_skipped_blocks", "faults_scheduler", "faults_worker",
             "storage_read_failed_keys", "storage_write_failed_keys")
-GAUGES = ("host_bytes_used", "host_bytes_total", "disk_bytes_used", "disk_bytes_total")
+# (this benchmark's names -> the connector's stats keys; its tiers: host and disk)
+STATS_KEYS = {"hit_tokens_host": "hit_tokens:host", "hit_tokens_disk": "hit_tokens:disk"}
+GAUGES = {"host_bytes_used": ("bytes_used", "host"), "host_bytes_total": ("bytes_total", "host"),
+          "disk_bytes_used": ("bytes_used", "disk"), "disk_bytes_total": ("bytes_total", "disk")}
 
 
 # ----------------------------------------------------------------------------- child side
@@ -80,9 +83,9 @@ def _child(spec_path: Path) -> int:
         stats = observed(self)
         if stats is not None:
             for name in COUNTERS:
-                seen[name] = seen.get(name, 0) + stats.data.get(name, 0)
-            for name in GAUGES:
-                value = gauge_sum(stats.data, name)
+                seen[name] = seen.get(name, 0) + stats.data.get(STATS_KEYS.get(name, name), 0)
+            for name, (gauge, tier) in GAUGES.items():
+                value = gauge_sum(stats.data, gauge, tier)
                 if value is not None:
                     seen[name] = value
         return stats

@@ -12,6 +12,8 @@ Contents:
 - ``BUILTIN_TIERS``: name -> "module:Class" (and the pip extra a tier needs).
 - ``tier_class(name)``: the class, imported lazily; ``ConfigError`` if it cannot be.
 - ``storage_choice(config)``: which tier the config asks for, with its options.
+- ``tier_label(name)``: the one name a tier goes by in metrics labels, log lines and tool
+  output (``disk``, ``valkey``, ``s3``, a plug-in's class name).
 - ``check_storage_config(config)``: validate that choice without opening anything.
 - ``make_storage_tier(config, fingerprint)``: open it (or None: host memory only). With
   ``secret_file``, built-in tiers get the keyed record codec, and any other tier is wrapped in
@@ -35,14 +37,24 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BuiltinTier:
     path: str  # "module:Class"
+    label: str  # its name in metrics labels, log lines and tool output
     extra: str | None = None  # the pip extra that installs its client library
 
 
 BUILTIN_TIERS: dict[str, BuiltinTier] = {
-    "filesystem": BuiltinTier("kv_offload.backends.filesystem:FilesystemTier"),
-    "valkey": BuiltinTier("kv_offload.backends.valkey:ValkeyTier", extra="valkey"),
-    "s3": BuiltinTier("kv_offload.backends.s3:S3Tier", extra="s3"),
+    # ("disk": the label this tier has had since the first release; dashboards use it)
+    "filesystem": BuiltinTier("kv_offload.backends.filesystem:FilesystemTier", "disk"),
+    "valkey": BuiltinTier("kv_offload.backends.valkey:ValkeyTier", "valkey", extra="valkey"),
+    "s3": BuiltinTier("kv_offload.backends.s3:S3Tier", "s3", extra="s3"),
 }
+
+
+def tier_label(name: str) -> str:
+    """The name a storage tier goes by in metrics labels (``tier="valkey"``), log lines and
+    tool output: a built-in's label, or a plug-in's class name (``"pkg.mod:MyTier"`` ->
+    ``"MyTier"``). Nothing is imported."""
+    builtin = BUILTIN_TIERS.get(name)
+    return builtin.label if builtin is not None else name.rpartition(":")[2] or name
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,11 @@ class StorageChoice:
 
     name: str  # a BUILTIN_TIERS name or "module:Class"
     options: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        """Its name in metrics, logs and tool output (``tier_label``)."""
+        return tier_label(self.name)
 
 
 def storage_choice(config: OffloadConfig) -> StorageChoice | None:

@@ -106,7 +106,9 @@ class TierChanges:
 
 @dataclass(frozen=True)
 class TierStats:
-    """A snapshot of what a tier holds, and counters of what it did (by name)."""
+    """A snapshot of what a tier holds, and counters of what it did (by name). One count is
+    read by the connector: ``servers_down``, how many of the tier's servers do not answer
+    now (the ``vllm:kv_offload_tier_servers_down`` gauge); a tier with servers sets it."""
 
     keys: int = 0
     bytes_used: int = 0

@@ -6,6 +6,11 @@ metric checks compare counter deltas with what this client alone sent):
 
   server            `GET /health`, the model, vLLM's block size (from `/metrics`);
   connector         the connector's `vllm:kv_offload_*` metrics are exposed;
+  server flags      what the checks need from the server's command line, before any prompt
+                    is sent: `usage.prompt_tokens_details` (--enable-prompt-tokens-details,
+                    seen on one throwaway completion) and `POST /reset_prefix_cache`
+                    (VLLM_SERVER_DEV_MODE=1; not needed to replay); each one missing is named
+                    with its fix, and the run stops there;
   prompts           N new prompts of T tokens (random words run through the server's own
                     tokenizer, `POST /tokenize`, then sent as token ids: exactly T tokens);
   cold pass         each prompt once, greedy, with top logprobs: computed by the engine
@@ -147,7 +152,12 @@ def run_check(options: CheckOptions) -> CheckReport:
 
 def _run_steps(client: ServingClient, options: CheckOptions, report: CheckReport) -> None:
     metrics = _check_server(client, report)
-    if metrics is None or not _check_connector(metrics, report):
+    if metrics is None:
+        return
+    # (both, so that one run names every fix: a server restarted once, not twice)
+    connector = _check_connector(metrics, report)
+    report.step = "server flags"
+    if not _check_flags(client, options, report) or not connector:
         return
     report.step = "prompts"
     if options.replay is not None:
@@ -203,6 +213,36 @@ def _check_connector(metrics: ServerMetrics, report: CheckReport) -> bool:
                           "vLLM's own offloading connector exposes other vllm:kv_offload_* "
                           "metrics) or with --disable-log-stats")
     return report.add("connector", True, "KVOffloadConnector metrics on /metrics")
+
+
+def _check_flags(client: ServingClient, options: CheckOptions, report: CheckReport) -> bool:
+    """The server's flags the later checks need, found before any prompt of the check is
+    sent: one throwaway completion (a new prompt, as long as the check's: a first forward of
+    a few tokens kills vLLM's CPU worker on AMX machines) and a prefix cache reset (dropping
+    vLLM's own cache before the passes changes nothing they measure)."""
+    missing = []
+    rng = random.SystemRandom()
+    probe = client.tokenize(" ".join(f"w{rng.randrange(500)}"
+                                     for _ in range(options.prompt_tokens)))
+    length = options.prompt_tokens
+    if probe.max_model_len is not None:
+        length = min(length, probe.max_model_len - 1)
+    done = client.complete(probe.token_ids[:length], max_tokens=1, logprobs=1)
+    if done.cached_tokens is None:
+        missing.append("the server reports no usage.prompt_tokens_details: start it with "
+                       "--enable-prompt-tokens-details")
+    reset = client.reset_prefix_cache()
+    if reset is ResetResult.UNAVAILABLE and options.replay is None:
+        missing.append("no POST /reset_prefix_cache: start the server with "
+                       "VLLM_SERVER_DEV_MODE=1 so vLLM's own cache can be dropped and the "
+                       "connector's hits seen (or --replay a record: its hits from vLLM's "
+                       "own cache are subtracted instead)")
+    if missing:
+        return report.add("server flags", False, "; ".join(missing))
+    found = ("usage.prompt_tokens_details reported; POST /reset_prefix_cache "
+             + ("available" if reset is not ResetResult.UNAVAILABLE else
+                "absent (not needed to replay)"))
+    return report.add("server flags", True, found)
 
 
 def _make_prompts(client: ServingClient, options: CheckOptions,
@@ -351,8 +391,9 @@ def _check_metrics(before: ServerMetrics, after: ServerMetrics, served: list[Com
     cached = sum(c.cached_tokens for c in served)
     sent = sum(c.prompt_tokens for c in served)
     facts: list[tuple[str, Callable[[], bool]]] = [
-        (f"hit tokens +{delta.hit_tokens:g} (host {delta.hit_tokens_host:g}, disk "
-         f"{delta.hit_tokens_disk:g}) = cached {cached} - vLLM's own hits {local:g}",
+        (f"hit tokens +{delta.hit_tokens:g} (host {delta.hit_tokens_host:g}, "
+         f"{after.storage_tier or 'storage'} {delta.hit_tokens_storage:g}) = cached {cached} "
+         f"- vLLM's own hits {local:g}",
          lambda: delta.hit_tokens == cached - local),
         # Without a reset (a replay), vLLM's own cache could serve everything: not the point.
         ("kv-offload served some of them", lambda: delta.hit_tokens > 0),

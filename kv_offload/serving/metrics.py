@@ -2,8 +2,10 @@
 
 The connector's counters (`vllm:kv_offload_*`, defined in `kv_offload.vllm.stats`) and two
 of vLLM's own are read from the text exposition with prometheus_client's parser and summed
-over every label except the ones that split them (`tier`, `direction`): a server with several
-engines (data parallelism) reports one series per engine, and a client sees their sum.
+over every label except the ones that split them (`tier`, `direction`; every tier but the
+host tier is the storage tier, labelled by its name: `disk`, `valkey`...): a server with
+several engines (data parallelism) reports one series per engine, and a client sees their
+sum.
 
 This module never imports vLLM: `kv-offload serve-check` runs on any machine that can reach
 the server. The metric names below must match `KVOffloadPromMetrics`; the end-to-end tests
@@ -35,7 +37,8 @@ class OffloadCounters:
     """The connector's counters at one moment (or the difference of two moments)."""
 
     hit_tokens_host: float = 0.0
-    hit_tokens_disk: float = 0.0
+    hit_tokens_storage: float = 0.0
+    """Hit tokens of the storage tier (``ServerMetrics.storage_tier`` names it)."""
     query_tokens: float = 0.0
     loaded_bytes: float = 0.0
     stored_bytes: float = 0.0
@@ -45,7 +48,7 @@ class OffloadCounters:
     @property
     def hit_tokens(self) -> float:
         """Tokens the connector promised to load, from any tier."""
-        return self.hit_tokens_host + self.hit_tokens_disk
+        return self.hit_tokens_host + self.hit_tokens_storage
 
     def since(self, earlier: OffloadCounters) -> OffloadCounters:
         """What happened between `earlier` and this snapshot."""
@@ -68,6 +71,9 @@ class ServerMetrics:
     """vLLM's block size, from `vllm:cache_config_info` (None if absent)."""
     prefix_caching: bool | None
     """Whether vLLM's prefix caching is on, from the same info metric."""
+    storage_tier: str | None = None
+    """The storage tier's label in the connector's metrics (``disk``, ``valkey``, ``s3``, a
+    plug-in's name), None when the server has none."""
 
 
 def parse_metrics(text: str) -> ServerMetrics:
@@ -75,6 +81,7 @@ def parse_metrics(text: str) -> ServerMetrics:
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[tuple[str, str | None], float] = {}
+    storage_tiers: set[str] = set()
     seen_offload = False
     block_size: int | None = None
     prefix_caching: bool | None = None
@@ -88,6 +95,8 @@ def parse_metrics(text: str) -> ServerMetrics:
                 prefix_caching = None if caching is None else caching == "True"
                 continue
             split = sample.labels.get("tier") or sample.labels.get("direction")
+            if sample.name == _HIT_TOKENS and split not in (None, "host"):
+                storage_tiers.add(split)
             key = (sample.name, split)
             sums[key] = sums.get(key, 0.0) + sample.value
 
@@ -98,7 +107,7 @@ def parse_metrics(text: str) -> ServerMetrics:
     if seen_offload:
         offload = OffloadCounters(
             hit_tokens_host=total(_HIT_TOKENS, "host"),
-            hit_tokens_disk=total(_HIT_TOKENS, "disk"),
+            hit_tokens_storage=sum(total(_HIT_TOKENS, tier) for tier in storage_tiers),
             query_tokens=total(_QUERY_TOKENS),
             loaded_bytes=total(_LOADED_BYTES),
             stored_bytes=total(_STORED_BYTES),
@@ -111,6 +120,7 @@ def parse_metrics(text: str) -> ServerMetrics:
         external_hit_tokens=total(_EXTERNAL_HITS),
         block_size=block_size,
         prefix_caching=prefix_caching,
+        storage_tier=",".join(sorted(storage_tiers)) or None,
     )
 
 

@@ -48,6 +48,8 @@ class ServerSettings:
     dtype: str = "bfloat16"
     dev_mode: bool = True
     """VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache."""
+    prompt_tokens_details: bool = True
+    """--enable-prompt-tokens-details: usage reports the cached prompt tokens."""
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -57,9 +59,10 @@ class ServerSettings:
             "--host", host, "--port", str(port),
             "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
             "--dtype", self.dtype, "--seed", "0", "--enforce-eager",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--disable-uvicorn-access-log",
+            "--enable-prefix-caching", "--disable-uvicorn-access-log",
         ]
+        if self.prompt_tokens_details:
+            cmd.append("--enable-prompt-tokens-details")
         if self.kv_cache_memory_bytes is not None:
             cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
         if self.max_num_seqs is not None:

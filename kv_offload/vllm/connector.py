@@ -86,6 +86,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: OffloadWorker | None = None
         self._lookup_stats = offload_stats.KVOffloadStats()
         choice = storage_choice(self.config)
+        self._storage_label = choice.label if choice is not None else None
         model = vllm_config.model_config
         if looks_remote(model.model) and self.config.model_identity is None:
             require_identity(None, model.model, choice.name if choice else None)
@@ -289,7 +290,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             tokens, load_async, found = self._scheduler.num_new_matched_tokens(
                 request, num_computed_tokens)
             if found is not None and not tokens:  # a hit is counted once its source is known
-                self._lookup_stats.record_lookup(found.query_tokens, 0, 0, 0)
+                self._lookup_stats.record_lookup(found.query_tokens, 0)
             return tokens, load_async
 
         return self._contained("get_num_new_matched_tokens", lookup, (0, False))
@@ -315,9 +316,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             if num_external_tokens == 0:
                 return {}
             on_host = self._scheduler.source_of(request.request_id) is Location.HOST
-            self._lookup_stats.record_lookup(request.num_tokens, num_external_tokens,
-                                             num_external_tokens if on_host else 0,
-                                             0 if on_host else num_external_tokens)
+            self._lookup_stats.record_lookup(
+                request.num_tokens, num_external_tokens,
+                offload_stats.HOST if on_host else self._storage_label or "storage")
             return {CacheHitSource.HOST if on_host else CacheHitSource.DISK:
                     num_external_tokens}
 

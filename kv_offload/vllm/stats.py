@@ -6,9 +6,14 @@ front end rebuilds it with `build_stats` to log `reduce()` and feed `KVOffloadPr
 
 `data` is a flat dict of str -> int | float so it survives pickle and msgpack unchanged.
 Counters are deltas since the last `reset()`. Gauges describe one tier pool and are stored
-per rank (`"host_bytes_used@1"`): `aggregate` cannot tell ranks from time (vLLM uses it for
+per rank (`"bytes_used:host@1"`): `aggregate` cannot tell ranks from time (vLLM uses it for
 both, and the front end also accumulates successive steps), so a gauge key keeps its latest
 value and reading sums the ranks.
+
+A tier is named in a key by its label (`"hit_tokens:valkey"`, `"bytes_used:disk@0"`:
+`kv_offload.backends.tier_label`, one name per tier in metrics, log lines and tool
+output), so the front end, which never sees the connector's config, still logs "Valkey hit
+tokens" and labels `tier="valkey"`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 COUNTERS: tuple[str, ...] = (
-    "lookups", "query_tokens", "hit_tokens", "hit_tokens_host", "hit_tokens_disk",
+    "lookups", "query_tokens", "hit_tokens",
     "load_jobs", "load_blocks", "load_bytes", "load_seconds", "load_failed_blocks",
     "load_failed_jobs",
     "store_jobs", "store_blocks", "store_bytes", "store_seconds", "store_failed_blocks",
@@ -36,34 +41,54 @@ COUNTERS: tuple[str, ...] = (
     "find_waits", "find_wait_seconds", "find_deadlines_missed",
 )
 WAIT_KINDS: tuple[str, ...] = ("remote", "find")
-GAUGES: tuple[str, ...] = ("host_bytes_used", "host_bytes_total", "disk_bytes_used",
-                           "disk_bytes_total")
-TIERS: tuple[str, ...] = ("host", "disk")
+TIER_COUNTERS: tuple[str, ...] = ("hit_tokens",)  # "<name>:<tier label>"
+GAUGES: tuple[str, ...] = ("bytes_used", "bytes_total", "servers_down")  # "<name>:<tier>@rank"
+HOST = "host"  # the host tier's label (a storage tier's: kv_offload.backends.tier_label)
 DIRECTIONS: tuple[str, ...] = ("load", "store")
 SIDES: tuple[str, ...] = ("scheduler", "worker")
 STORAGE_OPS: tuple[str, ...] = ("read", "write")
 
 _GAUGE_SEP = "@"
+_TIER_SEP = ":"
 _GB = 1e9
 _GIB = float(1 << 30)
 
 
-def _gauge_key(name: str, rank: int) -> str:
-    return f"{name}{_GAUGE_SEP}{rank}"
+def _tier_key(name: str, tier: str) -> str:
+    return f"{name}{_TIER_SEP}{tier}"
+
+
+def _gauge_key(name: str, tier: str, rank: int) -> str:
+    return f"{_tier_key(name, tier)}{_GAUGE_SEP}{rank}"
+
+
+def _is_counter(key: str) -> bool:
+    return key in COUNTERS or (_GAUGE_SEP not in key and _TIER_SEP in key)
+
+
+def _check_tier(tier: object) -> None:
+    if not isinstance(tier, str) or not tier or _GAUGE_SEP in tier or _TIER_SEP in tier:
+        raise ValueError(f"a kv_offload tier label must be a non-empty str without "
+                         f"{_GAUGE_SEP!r} or {_TIER_SEP!r}, got {tier!r}")
 
 
 def _check_key(key: object) -> None:
-    """Raise unless `key` is a counter name or `<gauge name>@<rank>`."""
+    """Raise unless `key` is a counter name, `<tier counter>:<tier>` or
+    `<gauge>:<tier>@<rank>`."""
     if not isinstance(key, str):
         raise TypeError(f"kv_offload stats key {key!r} must be a str, got {type(key).__name__}")
     if key in COUNTERS:
         return
-    name, sep, rank = key.partition(_GAUGE_SEP)
-    if sep and name in GAUGES and rank.isdigit():
+    named, sep, rank = key.partition(_GAUGE_SEP)
+    name, tier_sep, tier = named.partition(_TIER_SEP)
+    if tier_sep and tier and _TIER_SEP not in tier and (
+            (sep and name in GAUGES and rank.isdigit())
+            or (not sep and name in TIER_COUNTERS)):
         return
     raise ValueError(
-        f"unknown kv_offload stats key {key!r}; expected one of {list(COUNTERS)} "
-        f"or '<gauge>@<rank>' with gauge in {list(GAUGES)}"
+        f"unknown kv_offload stats key {key!r}; expected one of {list(COUNTERS)}, "
+        f"'<counter>:<tier>' with counter in {list(TIER_COUNTERS)}, or "
+        f"'<gauge>:<tier>@<rank>' with gauge in {list(GAUGES)}"
     )
 
 
@@ -82,11 +107,16 @@ def _check_amounts(**amounts: int | float) -> None:
         _check_value(name, value)
 
 
-def gauge_sum(data: Mapping[str, Any], name: str) -> int | float | None:
-    """Sum of gauge `name` over the ranks present in `data`; None when no rank set it."""
-    prefix = name + _GAUGE_SEP
+def gauge_sum(data: Mapping[str, Any], name: str, tier: str) -> int | float | None:
+    """Sum of gauge `name` of `tier` over the ranks present in `data`; None when no rank
+    set it."""
+    prefix = _tier_key(name, tier) + _GAUGE_SEP
     values = [v for k, v in data.items() if k.startswith(prefix)]
     return sum(values) if values else None
+
+
+def _title(tier: str) -> str:
+    return tier[:1].upper() + tier[1:]
 
 
 def _rate(part: float, whole: float) -> float:
@@ -106,25 +136,32 @@ class KVOffloadStats(KVConnectorStats):
             _check_key(key)
             _check_value(key, value)
 
-    def count(self, name: str) -> int | float:
-        """Value of counter `name` (0 when never moved)."""
-        return self.data.get(name, 0)
+    def count(self, name: str, tier: str | None = None) -> int | float:
+        """Value of counter `name` (of `tier`, for a tier counter; 0 when never moved)."""
+        return self.data.get(name if tier is None else _tier_key(name, tier), 0)
+
+    def tiers(self) -> list[str]:
+        """The tier labels this payload names: the host tier first, then the others."""
+        found = {k.partition(_GAUGE_SEP)[0].partition(_TIER_SEP)[2] for k in self.data
+                 if _TIER_SEP in k}
+        return sorted(found, key=lambda t: (t != HOST, t))
 
     def _add(self, name: str, amount: int | float) -> None:
         if amount:
             self.data[name] = self.data.get(name, 0) + amount
 
-    def record_lookup(
-        self, query_tokens: int, hit_tokens: int, host_tokens: int, disk_tokens: int
-    ) -> None:
-        """One request looked up: tokens asked for, tokens hit, and where the hit lies."""
-        _check_amounts(query_tokens=query_tokens, hit_tokens=hit_tokens,
-                       host_tokens=host_tokens, disk_tokens=disk_tokens)
+    def record_lookup(self, query_tokens: int, hit_tokens: int, tier: str | None = None) -> None:
+        """One request looked up: tokens asked for, tokens hit, and the tier the hit lies in
+        (its label: ``"host"``, or the storage tier's; a request's hit has one source)."""
+        _check_amounts(query_tokens=query_tokens, hit_tokens=hit_tokens)
+        if hit_tokens and tier is None:
+            raise ValueError(f"record_lookup: {hit_tokens} hit tokens need their tier")
         self._add("lookups", 1)
         self._add("query_tokens", query_tokens)
         self._add("hit_tokens", hit_tokens)
-        self._add("hit_tokens_host", host_tokens)
-        self._add("hit_tokens_disk", disk_tokens)
+        if hit_tokens:
+            _check_tier(tier)
+            self._add(_tier_key("hit_tokens", tier), hit_tokens)
 
     def record_load(
         self, blocks: int, nbytes: int, seconds: float, failed_blocks: int = 0
@@ -183,27 +220,20 @@ class KVOffloadStats(KVConnectorStats):
         self._add("storage_write_failed_keys", write_keys)
         self._add("storage_rejected_records", rejected_records)
 
-    def set_usage(
-        self,
-        host_used: int,
-        host_total: int,
-        disk_used: int = 0,
-        disk_total: int = 0,
-        *,
-        rank: int = 0,
-    ) -> None:
-        """Bytes used/budgeted in the pools of `rank` (each rank owns its pools)."""
+    def set_usage(self, tier: str, used: int, total: int, *, servers_down: int = 0,
+                  rank: int = 0) -> None:
+        """Bytes used/budgeted in `tier`'s pool of `rank` (each rank owns its pools), and how
+        many of the tier's servers are unreachable now (0 for a tier without servers)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"set_usage rank must be an int >= 0, got {rank!r}")
-        _check_amounts(host_used=host_used, host_total=host_total, disk_used=disk_used,
-                       disk_total=disk_total)
-        values = (host_used, host_total, disk_used, disk_total)
-        for name, value in zip(GAUGES, values):
-            self.data[_gauge_key(name, rank)] = value
+        _check_tier(tier)
+        _check_amounts(used=used, total=total, servers_down=servers_down)
+        for name, value in zip(GAUGES, (used, total, servers_down)):
+            self.data[_gauge_key(name, tier, rank)] = value
 
-    def usage(self, name: str) -> int | float | None:
-        """Gauge `name` summed over ranks; None when no rank reported it."""
-        return gauge_sum(self.data, name)
+    def usage(self, name: str, tier: str) -> int | float | None:
+        """Gauge `name` of `tier` summed over ranks; None when no rank reported it."""
+        return gauge_sum(self.data, name, tier)
 
     def reset(self) -> None:
         self.data = {}
@@ -220,7 +250,7 @@ class KVOffloadStats(KVConnectorStats):
             )
         merged = dict(self.data)
         for key, value in other.data.items():
-            merged[key] = merged.get(key, 0) + value if key in COUNTERS else value
+            merged[key] = merged.get(key, 0) + value if _is_counter(key) else value
         return KVOffloadStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
@@ -230,7 +260,6 @@ class KVOffloadStats(KVConnectorStats):
             "Hit rate (%)": round(
                 100 * _rate(self.count("hit_tokens"), self.count("query_tokens")), 1),
             "Hit tokens": self.count("hit_tokens"),
-            "Disk hit tokens": self.count("hit_tokens_disk"),
             "Load GB/s": round(
                 _rate(self.count("load_bytes"), self.count("load_seconds")) / _GB, 3),
             "Store GB/s": round(
@@ -242,10 +271,14 @@ class KVOffloadStats(KVConnectorStats):
             "Storage failed keys (read/write)": (
                 self.count("storage_read_failed_keys") + self.count("storage_write_failed_keys")),
         }
-        for tier in TIERS:
-            used, total = self.usage(f"{tier}_bytes_used"), self.usage(f"{tier}_bytes_total")
+        for tier in self.tiers():
+            if tier != HOST and self.count("hit_tokens", tier):
+                summary[f"{_title(tier)} hit tokens"] = self.count("hit_tokens", tier)
+            used, total = self.usage("bytes_used", tier), self.usage("bytes_total", tier)
             if used is not None and total:
-                summary[f"{tier.capitalize()} used (GiB)"] = round(used / _GIB, 3)
+                summary[f"{_title(tier)} used (GiB)"] = round(used / _GIB, 3)
+            if self.usage("servers_down", tier):
+                summary[f"{_title(tier)} servers down"] = self.usage("servers_down", tier)
         return summary
 
 
@@ -274,7 +307,9 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # metric name -> {(engine_idx, extra label value or None): child}
         self._children: dict[str, dict[tuple[int, str | None], Any]] = {}
-        self._add_counter("hit_tokens", "Offloaded tokens hit, by tier.", "tier", TIERS)
+        self._parents: dict[str, Any] = {}
+        tiers = configured_tiers(vllm_config)  # (others get their series when first seen)
+        self._add_counter("hit_tokens", "Offloaded tokens hit, by tier.", "tier", tiers)
         self._add_counter("query_tokens", "Tokens looked up in the offload tiers.")
         self._add_counter("loaded_bytes", "Bytes loaded from offload tiers into the engine.")
         self._add_counter("stored_bytes", "Bytes stored from the engine into offload tiers.")
@@ -300,10 +335,12 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._add_counter("wait_deadlines_missed", "Waits that ended at their deadline "
                           "short of the blocks waited for (the rest was recomputed).",
                           "kind", WAIT_KINDS)
-        for suffix, doc in (("used", "Bytes in use"), ("total", "Byte budget")):
-            self._add_metric(self._gauge_cls, f"tier_bytes_{suffix}",
-                             f"{doc} in each offload tier, summed over ranks.", "tier", TIERS,
-                             multiprocess_mode="mostrecent")
+        for short, doc in (("tier_bytes_used", "Bytes in use in each offload tier"),
+                           ("tier_bytes_total", "Byte budget of each offload tier"),
+                           ("tier_servers_down", "Servers of each offload tier that do not "
+                            "answer now (its reads and writes are misses meanwhile)")):
+            self._add_metric(self._gauge_cls, short, f"{doc}, summed over ranks.", "tier",
+                             tiers, multiprocess_mode="mostrecent")
 
     def _add_counter(self, short: str, doc: str, label: str | None = None,
                      values: tuple[str, ...] = ()) -> None:
@@ -314,26 +351,35 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         extra = [label] if label else []
         parent = cls(name=f"vllm:kv_offload_{short}", documentation=doc,
                      labelnames=self._labelnames + extra, **kwargs)
+        self._parents[short] = parent
         self._children[short] = {
             (engine, value): parent.labels(*engine_values, *([value] if label else []))
             for engine, engine_values in self.per_engine_labelvalues.items()
             for value in (values if label else (None,))
         }
 
+    def _child(self, short: str, engine_idx: int, label: str | None) -> Any:
+        children = self._children[short]
+        child = children.get((engine_idx, label))
+        if child is None:  # (a tier not in the config this process saw: its own series)
+            child = children[(engine_idx, label)] = self._parents[short].labels(
+                *self.per_engine_labelvalues[engine_idx], label)
+        return child
+
     def _inc(self, short: str, engine_idx: int, amount: int | float,
              label: str | None = None) -> None:
         if amount:  # Ray's counter ignores 0 too; skipping keeps both the same
-            self._children[short][(engine_idx, label)].inc(amount)
+            self._child(short, engine_idx, label).inc(amount)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add one step's counters; set a tier's gauges when the step reported them."""
         stats = build_stats(transfer_stats_data)
-        for tier in TIERS:
-            self._inc("hit_tokens", engine_idx, stats.count(f"hit_tokens_{tier}"), tier)
-            for suffix in ("used", "total"):
-                value = stats.usage(f"{tier}_bytes_{suffix}")
+        for tier in stats.tiers():
+            self._inc("hit_tokens", engine_idx, stats.count("hit_tokens", tier), tier)
+            for name in GAUGES:
+                value = stats.usage(name, tier)
                 if value is not None:
-                    self._children[f"tier_bytes_{suffix}"][(engine_idx, tier)].set(value)
+                    self._child(f"tier_{name}", engine_idx, tier).set(value)
         self._inc("query_tokens", engine_idx, stats.count("query_tokens"))
         self._inc("loaded_bytes", engine_idx, stats.count("load_bytes"))
         self._inc("stored_bytes", engine_idx, stats.count("store_bytes"))
@@ -357,6 +403,17 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                       stats.count(f"{kind}_deadlines_missed"), kind)
 
 
+def configured_tiers(vllm_config: Any) -> tuple[str, ...]:
+    """The labels of the tiers a server's connector config sets up (the host tier, and the
+    storage tier's when there is one), read without checking the config (the engine does)."""
+    from kv_offload.backends import tier_label
+
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    name = extra.get("storage_tier") or ("filesystem" if extra.get("fs_root_dir") else None)
+    return (HOST,) if not isinstance(name, str) else (HOST, tier_label(name))
+
+
 def build_prom_metrics(
     vllm_config: VllmConfig,
     metric_types: dict[type, type],
@@ -368,6 +425,6 @@ def build_prom_metrics(
 
 
 __all__ = [
-    "COUNTERS", "DIRECTIONS", "GAUGES", "TIERS", "KVOffloadPromMetrics", "KVOffloadStats",
-    "build_prom_metrics", "build_stats", "gauge_sum",
+    "COUNTERS", "DIRECTIONS", "GAUGES", "HOST", "TIER_COUNTERS", "KVOffloadPromMetrics",
+    "KVOffloadStats", "build_prom_metrics", "build_stats", "configured_tiers", "gauge_sum",
 ]

@@ -4,8 +4,8 @@ Three servers are started as the README tells CPU users to start them
 (`python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config ...`, on a free
 loopback port, VLLM_SERVER_DEV_MODE=1, `--enable-prompt-tokens-details`), one after the other:
 
-  baseline   no connector: the reference completions (greedy, top-5 logprobs), computed
-             (cold) and then served by vLLM's own prefix cache (the same prompts again);
+  baseline   no connector, no dev mode: the reference completions (greedy, top-5 logprobs),
+             computed (cold) and then served by vLLM's own prefix cache (the same prompts again);
   first      the connector over a host tier and a disk directory: a cold pass, then
              `POST /reset_prefix_cache` and the same prompts again; `kv-offload serve-check`
              run against it twice (`--record`);
@@ -138,7 +138,9 @@ def scenario(tiny_models, tmp_path_factory) -> Scenario:
     fs_root = work / "kv"
     result = Scenario(page_bytes=page_bytes(tiny_models["llama"]))
 
-    with VllmServer(ServerSettings(model=model), work, name="baseline") as server:
+    # (no dev mode: serve-check against it must name both missing preconditions at once)
+    with VllmServer(ServerSettings(model=model, dev_mode=False), work,
+                    name="baseline") as server:
         with ServingClient(server.url) as client:
             result.baseline = complete_all(client)
             result.baseline_cached = complete_all(client)
@@ -240,7 +242,7 @@ def test_prometheus_counters_agree_with_what_the_clients_saw(scenario):
     warm = after.offload.since(before.offload)
     hits = sum(cached(scenario.warm))
     assert after.local_hit_tokens - before.local_hit_tokens == 0  # vLLM's cache was reset
-    assert (warm.hit_tokens_host, warm.hit_tokens_disk) == (hits, 0)
+    assert (warm.hit_tokens_host, warm.hit_tokens_storage) == (hits, 0)
     assert after.external_hit_tokens - before.external_hit_tokens == hits
     assert warm.query_tokens == sum(c.prompt_tokens for c in scenario.warm)
     assert warm.loaded_bytes == hits // BLOCK * page
@@ -250,7 +252,7 @@ def test_prometheus_counters_agree_with_what_the_clients_saw(scenario):
 def test_a_restarted_server_over_the_same_disk_directory_serves_from_disk(scenario):
     restarted = scenario.restarted_counters
     assert cached(scenario.restarted) == cacheable(scenario.restarted)
-    assert (restarted.hit_tokens_host, restarted.hit_tokens_disk) == (
+    assert (restarted.hit_tokens_host, restarted.hit_tokens_storage) == (
         0, sum(cached(scenario.restarted)))
     assert restarted.loaded_bytes == sum(cached(scenario.restarted)) // BLOCK * scenario.page_bytes
     assert restarted.failed_load_blocks == 0
@@ -274,22 +276,28 @@ def test_serve_check_passes_against_the_connector_and_after_a_restart(scenario):
         assert {c["name"]: c["passed"] for c in run.report["checks"]}["same outputs"] is True
     recorded = scenario.checks["record r1"].report
     assert [c["name"] for c in recorded["checks"]] == [
-        "server", "connector", "prompts", "cold pass", "vLLM cache pass", "reset", "same outputs",
-        "cached tokens", "metrics agree", "healthy after"]
+        "server", "connector", "server flags", "prompts", "cold pass", "vLLM cache pass",
+        "reset", "same outputs", "cached tokens", "metrics agree", "healthy after"]
     assert recorded["prompt_tokens"] == [CHECK_TOKENS] * CHECK_PROMPTS["r1"]
     assert recorded["counters"]["hit_tokens_host"] == sum(
         c["cached_tokens"] for c in recorded["served"])
     replayed = scenario.checks["replay r1"].report
     disk_hits = (CHECK_TOKENS - 1) // BLOCK * BLOCK * CHECK_PROMPTS["r1"]
     assert (replayed["counters"]["hit_tokens_host"],
-            replayed["counters"]["hit_tokens_disk"]) == (0, disk_hits)
+            replayed["counters"]["hit_tokens_storage"]) == (0, disk_hits)
 
 
-def test_serve_check_fails_a_server_without_the_connector(scenario):
-    run = scenario.check_without_connector
+def test_serve_check_names_every_missing_precondition_before_sending_a_prompt(scenario):
+    run = scenario.check_without_connector  # (no connector, no VLLM_SERVER_DEV_MODE=1)
     assert run.returncode == 1
     assert run.check("connector")["passed"] is False
     assert "KVOffloadConnector" in run.check("connector")["detail"]
+    flags = run.check("server flags")
+    assert flags["passed"] is False
+    assert "VLLM_SERVER_DEV_MODE=1" in flags["detail"]
+    assert "prompt_tokens_details" not in flags["detail"]  # (that server reports them)
+    assert [c["name"] for c in run.report["checks"]] == ["server", "connector", "server flags"]
+    assert run.report["recompute"] == []
 
 
 def test_serve_check_catches_a_disk_tier_that_serves_another_blocks_bytes(scenario):

@@ -123,5 +123,10 @@ class Outages:
         return sum(o.episodes for o in list(self._by_node.values()))
 
     @property
+    def down(self) -> int:
+        """How many servers are in an outage now."""
+        return sum(o.down for o in list(self._by_node.values()))
+
+    @property
     def skipped(self) -> int:
         return sum(o.skipped for o in list(self._by_node.values()))

@@ -229,6 +229,7 @@ class S3Tier(StorageTier):
     def stats(self) -> TierStats:
         counts = self._book.counts()
         counts["outages"], counts["failed_fast"] = self._outage.episodes, self._outage.skipped
+        counts["servers_down"] = int(self._outage.down)
         return TierStats(keys=len(self._index), bytes_used=self._index.used_bytes,
                          bytes_budget=self.config.bytes_to_use, counts=counts)
 

@@ -222,6 +222,7 @@ class ValkeyTier(StorageTier):
         used, budget = self._server_memory
         counts = self._book.counts()
         counts["outages"], counts["failed_fast"] = self._outages.episodes, self._outages.skipped
+        counts["servers_down"] = self._outages.down
         return TierStats(keys=len(self._view), bytes_used=used, bytes_budget=budget,
                          counts=counts)
 

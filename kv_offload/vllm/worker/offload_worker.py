@@ -45,6 +45,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import torch
 import xxhash
 
+from kv_offload.backends import storage_choice
 from kv_offload.canonical import CanonicalKVCaches, canonicalize
 from kv_offload.config import OffloadConfig
 from kv_offload.runtime.affinity import spread_threads
@@ -56,7 +57,7 @@ from kv_offload.store.tiered import TieredStore, layout_fingerprint
 from kv_offload.store.tp.records import TPShare, rank_records
 from kv_offload.types import Direction, GroupBlocks, OffloadKey
 from kv_offload.vllm.metadata import KVOffloadWorkerMetadata, RankReport, held_bits
-from kv_offload.vllm.stats import KVOffloadStats
+from kv_offload.vllm.stats import HOST, KVOffloadStats
 from kv_offload.vllm.worker.exit_hook import at_interpreter_exit
 from kv_offload.vllm.worker.finder import Finder
 from kv_offload.vllm.worker.jobs import Job, Outcome, record_outcome
@@ -89,6 +90,8 @@ class OffloadWorker:
                  report_storage_copies: bool = False,
                  engine_pins_threads: bool = False) -> None:
         self.config = config
+        choice = storage_choice(config)
+        self._storage_label = choice.label if choice is not None else None
         # KV events announce storage copies too (a report entry per key): only if published.
         self.report_storage_copies = report_storage_copies
         # (vLLM's CPU worker: see runtime/affinity.py)
@@ -500,9 +503,12 @@ class OffloadWorker:
         self._stats.record_faults(worker=sum(faults.values()) + sum(tier_faults.values()))
         self._stats.record_storage_failures(failed.get(Direction.LOAD, 0),
                                             failed.get(Direction.STORE, 0), rejected)
-        self._stats.set_usage(usage.host_bytes_used, usage.host_bytes_total,
-                              usage.storage.bytes_used, usage.storage.bytes_budget,
+        self._stats.set_usage(HOST, usage.host_bytes_used, usage.host_bytes_total,
                               rank=self.rank)
+        if self._storage_label is not None:
+            storage = usage.storage
+            self._stats.set_usage(self._storage_label, storage.bytes_used, storage.bytes_budget,
+                                  servers_down=storage["servers_down"], rank=self.rank)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVOffloadStats()

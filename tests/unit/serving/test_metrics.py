@@ -60,10 +60,11 @@ def exposition(*, with_connector: bool = True, engines: int = 2,
 def test_connector_counters_are_summed_over_engines_and_split_by_tier_and_direction():
     metrics = parse_metrics(exposition())
     assert metrics.offload == OffloadCounters(
-        hit_tokens_host=64 + 128, hit_tokens_disk=128 + 256, query_tokens=3000,
+        hit_tokens_host=64 + 128, hit_tokens_storage=128 + 256, query_tokens=3000,
         loaded_bytes=3 * 4096, stored_bytes=3 * 8192, failed_load_blocks=3,
         failed_store_blocks=6)
     assert metrics.offload.hit_tokens == 192 + 384
+    assert metrics.storage_tier == "disk"  # (the storage tier's label on the hit counter)
     assert (metrics.local_hit_tokens, metrics.external_hit_tokens) == (300, 30)
 
 
@@ -86,10 +87,10 @@ def test_block_size_and_prefix_caching_come_from_vllms_cache_config_info():
 
 
 def test_counter_deltas_subtract_field_by_field():
-    later = OffloadCounters(hit_tokens_host=10, hit_tokens_disk=7, query_tokens=50,
+    later = OffloadCounters(hit_tokens_host=10, hit_tokens_storage=7, query_tokens=50,
                             loaded_bytes=400, stored_bytes=900, failed_load_blocks=2)
-    earlier = OffloadCounters(hit_tokens_host=4, hit_tokens_disk=7, query_tokens=20,
+    earlier = OffloadCounters(hit_tokens_host=4, hit_tokens_storage=7, query_tokens=20,
                               loaded_bytes=100, stored_bytes=900)
     assert later.since(earlier) == OffloadCounters(
-        hit_tokens_host=6, hit_tokens_disk=0, query_tokens=30, loaded_bytes=300,
+        hit_tokens_host=6, hit_tokens_storage=0, query_tokens=30, loaded_bytes=300,
         stored_bytes=0, failed_load_blocks=2)

@@ -31,7 +31,8 @@ def worker_stats(rank: int, load_bytes: int, host_used: int) -> KVOffloadStats:
     stats.record_load(blocks=4, nbytes=load_bytes, seconds=0.25, failed_blocks=rank)
     stats.record_store(blocks=2, nbytes=1000, seconds=0.5, failed_blocks=rank // 2,
                        skipped_blocks=3)
-    stats.set_usage(host_used, 8 * GIB, 0, 0, rank=rank)
+    stats.set_usage("host", host_used, 8 * GIB, rank=rank)
+    stats.set_usage("disk", 0, 0, rank=rank)
     stats.record_faults(worker=rank + 1)
     stats.record_storage_failures(read_keys=rank, write_keys=1, rejected_records=rank)
     return stats
@@ -39,8 +40,9 @@ def worker_stats(rank: int, load_bytes: int, host_used: int) -> KVOffloadStats:
 
 def scheduler_stats() -> KVOffloadStats:
     stats = KVOffloadStats()
-    stats.record_lookup(query_tokens=1000, hit_tokens=256, host_tokens=192, disk_tokens=64)
-    stats.record_lookup(query_tokens=600, hit_tokens=0, host_tokens=0, disk_tokens=0)
+    stats.record_lookup(query_tokens=700, hit_tokens=192, tier="host")
+    stats.record_lookup(query_tokens=300, hit_tokens=64, tier="disk")
+    stats.record_lookup(query_tokens=600, hit_tokens=0)
     stats.record_faults(scheduler=1)
     stats.record_waits({"remote_promised_blocks": 7, "remote_foreign": 1, "remote_waits": 2,
                         "remote_wait_seconds": 0.25, "remote_deadlines_missed": 1,
@@ -60,25 +62,29 @@ def test_ranks_and_scheduler_merge_like_vllm():
     assert merged.count("load_bytes") == 40_000 and merged.count("load_seconds") == 0.5
     assert merged.count("load_failed_blocks") == 1 and merged.count("load_failed_jobs") == 1
     assert merged.count("store_jobs") == 2 and merged.count("store_skipped_blocks") == 6
-    assert merged.count("lookups") == 2 and merged.count("query_tokens") == 1600
-    assert (merged.count("hit_tokens"), merged.count("hit_tokens_host"),
-            merged.count("hit_tokens_disk")) == (256, 192, 64)
+    assert merged.count("lookups") == 3 and merged.count("query_tokens") == 1600
+    assert (merged.count("hit_tokens"), merged.count("hit_tokens", "host"),
+            merged.count("hit_tokens", "disk")) == (256, 192, 64)
     # Each rank owns a pool: the usage gauges add up over ranks.
-    assert merged.usage("host_bytes_used") == 3 * GIB
-    assert merged.usage("host_bytes_total") == 16 * GIB
-    assert merged.usage("disk_bytes_used") == 0
-    assert sched.usage("host_bytes_used") is None
+    assert merged.usage("bytes_used", "host") == 3 * GIB
+    assert merged.usage("bytes_total", "host") == 16 * GIB
+    assert merged.usage("bytes_used", "disk") == 0
+    assert sched.usage("bytes_used", "host") is None
+    assert merged.tiers() == ["host", "disk"]
 
 
 def test_successive_steps_keep_the_latest_gauge_per_rank():
     first, second = KVOffloadStats(), KVOffloadStats()
-    first.set_usage(100, 1000, 5, 50, rank=0)
-    first.set_usage(200, 1000, 0, 0, rank=1)
-    second.set_usage(300, 1000, 7, 50, rank=0)
+    first.set_usage("host", 100, 1000, rank=0)
+    first.set_usage("valkey", 5, 50, servers_down=1, rank=0)
+    first.set_usage("host", 200, 1000, rank=1)
+    second.set_usage("host", 300, 1000, rank=0)
+    second.set_usage("valkey", 7, 50, rank=0)
     merged = first.aggregate(second)
-    assert merged.usage("host_bytes_used") == 500  # rank 0 latest (300) + rank 1 (200)
-    assert merged.usage("disk_bytes_used") == 7
-    assert merged.usage("host_bytes_total") == 2000
+    assert merged.usage("bytes_used", "host") == 500  # rank 0 latest (300) + rank 1 (200)
+    assert merged.usage("bytes_used", "valkey") == 7
+    assert merged.usage("servers_down", "valkey") == 0  # the server answers again
+    assert merged.usage("bytes_total", "host") == 2000
 
 
 def test_empty_payloads_merge():
@@ -92,11 +98,11 @@ def test_empty_payloads_merge():
 def test_is_empty_and_reset():
     stats = KVOffloadStats()
     assert stats.is_empty()
-    stats.set_usage(0, 0, 0, 0)
+    stats.set_usage("host", 0, 0)
     assert not stats.is_empty()  # a gauge set to 0 is still a report
     stats.reset()
     assert stats.is_empty()
-    stats.record_lookup(0, 0, 0, 0)
+    stats.record_lookup(0, 0)
     assert not stats.is_empty() and stats.count("lookups") == 1
     stats.reset()
     stats.record_store(blocks=0, nbytes=0, seconds=0.0)
@@ -105,29 +111,43 @@ def test_is_empty_and_reset():
 
 def test_reduce_from_known_inputs():
     stats = KVOffloadStats()
-    stats.record_lookup(1000, 250, 200, 50)
+    stats.record_lookup(800, 200, "host")
+    stats.record_lookup(200, 50, "disk")
     stats.record_load(blocks=10, nbytes=2_000_000_000, seconds=0.5, failed_blocks=2)
     stats.record_store(blocks=1, nbytes=123, seconds=0.0, failed_blocks=1, skipped_blocks=4)
-    stats.set_usage(3 * GIB, 8 * GIB, 0, 0, rank=0)
+    stats.set_usage("host", 3 * GIB, 8 * GIB, rank=0)
+    stats.set_usage("disk", 0, 0, rank=0)
     stats.record_faults(scheduler=1, worker=2)
     stats.record_storage_failures(read_keys=3, write_keys=4)
     summary = stats.reduce()
     assert summary == {
-        "Lookups": 1,
+        "Lookups": 2,
         "Hit rate (%)": 25.0,
         "Hit tokens": 250,
-        "Disk hit tokens": 50,
         "Load GB/s": 4.0,
         "Store GB/s": 0.0,  # no measured time: no rate
         "Failed blocks (load/store)": 3,
         "Skipped store blocks": 4,
         "Faults contained": 3,
         "Storage failed keys (read/write)": 7,
+        "Disk hit tokens": 50,
         "Host used (GiB)": 3.0,  # no disk budget: no disk entry
     }
-    stats.set_usage(GIB, 2 * GIB, GIB // 2, 4 * GIB, rank=1)
+    stats.set_usage("host", GIB, 2 * GIB, rank=1)
+    stats.set_usage("disk", GIB // 2, 4 * GIB, rank=1)
     summary = stats.reduce()
     assert summary["Host used (GiB)"] == 4.0 and summary["Disk used (GiB)"] == 0.5
+
+
+def test_the_log_line_names_the_storage_tier_and_its_servers_down():
+    stats = KVOffloadStats()
+    stats.record_lookup(100, 64, "valkey")
+    stats.set_usage("valkey", GIB, 2 * GIB, servers_down=2, rank=0)
+    summary = build_stats(stats.to_dict()).reduce()  # (as the front end sees it)
+    assert summary["Valkey hit tokens"] == 64
+    assert summary["Valkey used (GiB)"] == 1.0
+    assert summary["Valkey servers down"] == 2
+    assert not any(k.startswith("Disk") for k in summary)
     assert KVOffloadStats().reduce()["Hit rate (%)"] == 0.0
 
 
@@ -137,8 +157,16 @@ def test_bad_input_names_the_offender():
         stats.aggregate(KVConnectorStats(data={"lookups": 1}))
     with pytest.raises(ValueError, match="'bogus'"):
         build_stats({"bogus": 1})
-    with pytest.raises(ValueError, match="'host_bytes_used@x'"):
-        build_stats({"host_bytes_used@x": 1})
+    with pytest.raises(ValueError, match="'bytes_used:host@x'"):
+        build_stats({"bytes_used:host@x": 1})
+    with pytest.raises(ValueError, match="'bytes_used@0'"):
+        build_stats({"bytes_used@0": 1})
+    with pytest.raises(ValueError, match="'lookups:host'"):
+        build_stats({"lookups:host": 1})
+    with pytest.raises(ValueError, match="need their tier"):
+        stats.record_lookup(10, 5)
+    with pytest.raises(ValueError, match="tier label"):
+        stats.set_usage("a@b", 1, 2)
     with pytest.raises(TypeError, match="'lookups'.*str"):
         build_stats({"lookups": "3"})
     with pytest.raises(TypeError, match="'lookups'.*bool"):
@@ -146,7 +174,7 @@ def test_bad_input_names_the_offender():
     with pytest.raises(ValueError, match="nbytes"):
         stats.record_load(blocks=1, nbytes=-5, seconds=0.1)
     with pytest.raises(ValueError, match="rank"):
-        stats.set_usage(1, 2, 0, 0, rank=-1)
+        stats.set_usage("host", 1, 2, rank=-1)
     assert stats.is_empty()  # rejected calls changed nothing
 
 
@@ -190,10 +218,10 @@ def test_vllm_log_line_over_two_steps():
     logging = KVConnectorLogging(None)
     logging.connector_cls = _ConnectorClassView
     step1, step2 = KVOffloadStats(), KVOffloadStats()
-    step1.record_lookup(100, 50, 50, 0)
-    step1.set_usage(GIB, 4 * GIB, 0, 0, rank=0)
-    step2.record_lookup(100, 0, 0, 0)
-    step2.set_usage(2 * GIB, 4 * GIB, 0, 0, rank=0)
+    step1.record_lookup(100, 50, "host")
+    step1.set_usage("host", GIB, 4 * GIB, rank=0)
+    step2.record_lookup(100, 0)
+    step2.set_usage("host", 2 * GIB, 4 * GIB, rank=0)
     logging.observe(step1.to_dict())
     logging.observe(step2.to_dict())
     lines: list[str] = []
@@ -216,15 +244,16 @@ def registry_metric_types(registry: CollectorRegistry) -> dict[type, type]:
     return {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
 
 
-def kv_vllm_config() -> VllmConfig:
+def kv_vllm_config(**extra) -> VllmConfig:
     return VllmConfig(kv_transfer_config=KVTransferConfig(
         kv_connector="KVOffloadConnector", kv_connector_module_path="kv_offload.vllm",
-        kv_role="kv_both"))
+        kv_role="kv_both", kv_connector_extra_config=extra))
 
 
 def test_prometheus_counters_add_up_and_gauges_follow():
     registry = CollectorRegistry()
-    metrics = build_prom_metrics(kv_vllm_config(), registry_metric_types(registry),
+    metrics = build_prom_metrics(kv_vllm_config(storage_tier="filesystem"),
+                                 registry_metric_types(registry),
                                  ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     assert isinstance(metrics, KVOffloadPromMetrics)
 
@@ -233,14 +262,18 @@ def test_prometheus_counters_add_up_and_gauges_follow():
             f"vllm:kv_offload_{name}", {"model_name": "m", "engine": engine, **labels})
 
     step = KVOffloadStats()
-    step.record_lookup(1000, 256, 192, 64)
+    assert sample("hit_tokens_total", tier="disk") == 0  # (the series exist from the start)
+    step.record_lookup(700, 192, "host")
+    step.record_lookup(300, 64, "disk")
     step.record_load(blocks=4, nbytes=4096, seconds=0.25, failed_blocks=1)
     step.record_store(blocks=2, nbytes=2048, seconds=0.5, failed_blocks=2, skipped_blocks=1)
-    step.set_usage(100, 1000, 10, 500, rank=0)
-    step.set_usage(200, 1000, 0, 500, rank=1)
+    step.set_usage("host", 100, 1000, rank=0)
+    step.set_usage("disk", 10, 500, rank=0)
+    step.set_usage("host", 200, 1000, rank=1)
+    step.set_usage("disk", 0, 500, rank=1)
     metrics.observe(step.to_dict(), engine_idx=0)
     later = KVOffloadStats()
-    later.record_lookup(24, 24, 24, 0)
+    later.record_lookup(24, 24, "host")
     metrics.observe(later.to_dict(), engine_idx=0)
 
     assert sample("hit_tokens_total", tier="host") == 216
@@ -261,10 +294,46 @@ def test_prometheus_counters_add_up_and_gauges_follow():
     assert sample("query_tokens_total", engine="1") == 0
 
     newer = KVOffloadStats()
-    newer.set_usage(50, 1000, 0, 0, rank=0)
+    newer.set_usage("host", 50, 1000, rank=0)
     metrics.observe(newer.to_dict(), engine_idx=0)
     assert sample("tier_bytes_used", tier="host") == 50
     assert sample("query_tokens_total") == 1024
+
+
+def test_a_valkey_tier_is_labelled_valkey_and_says_when_its_servers_are_down():
+    registry = CollectorRegistry()
+    metrics = build_prom_metrics(kv_vllm_config(storage_tier="valkey"),
+                                 registry_metric_types(registry),
+                                 ["model_name", "engine"], {0: ["m", "0"]})
+
+    def sample(name: str, tier: str) -> float | None:
+        return registry.get_sample_value(f"vllm:kv_offload_{name}",
+                                         {"model_name": "m", "engine": "0", "tier": tier})
+
+    assert sample("hit_tokens_total", "valkey") == 0
+    assert sample("hit_tokens_total", "disk") is None  # (no disk tier on this server)
+    step = KVOffloadStats()
+    step.record_lookup(100, 64, "valkey")
+    step.set_usage("valkey", 10, 100, servers_down=1, rank=0)
+    metrics.observe(step.to_dict(), engine_idx=0)
+    assert sample("hit_tokens_total", "valkey") == 64
+    assert sample("tier_servers_down", "valkey") == 1
+    back = KVOffloadStats()
+    back.set_usage("valkey", 10, 100, servers_down=0, rank=0)
+    metrics.observe(back.to_dict(), engine_idx=0)
+    assert sample("tier_servers_down", "valkey") == 0
+    # A plug-in tier: its class name, its series made when first seen.
+    plug = KVOffloadStats()
+    plug.record_lookup(10, 10, "MyTier")
+    metrics.observe(plug.to_dict(), engine_idx=0)
+    assert sample("hit_tokens_total", "MyTier") == 10
+
+
+def test_each_tier_has_one_label():
+    from kv_offload.backends import tier_label
+
+    assert [tier_label(n) for n in ("filesystem", "valkey", "s3", "pkg.mod:MyTier")] == [
+        "disk", "valkey", "s3", "MyTier"]
 
 
 def test_rejected_records_reach_their_prometheus_counter():

@@ -201,8 +201,8 @@ def test_stats_count_loads_stores_and_bytes(workers):
     assert stats.count("load_bytes") == 4 * BYTES_PER_BLOCK
     assert stats.count("load_failed_blocks") == 1
     assert stats.count("load_failed_jobs") == 1
-    assert stats.usage("host_bytes_used") == 4 * BYTES_PER_BLOCK
-    assert stats.usage("host_bytes_total") >= 4 * BYTES_PER_BLOCK
+    assert stats.usage("bytes_used", "host") == 4 * BYTES_PER_BLOCK
+    assert stats.usage("bytes_total", "host") >= 4 * BYTES_PER_BLOCK
     later = worker.take_stats()  # counters restart for the next interval
     assert later is None or later.count("store_jobs") == later.count("load_jobs") == 0
 
