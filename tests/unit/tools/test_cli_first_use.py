@@ -90,7 +90,7 @@ def _pass(name: str, runs: list[tuple[float, list[int], int]]) -> dict:
 def test_the_demo_reports_the_median_of_its_repeats_and_checks_every_repeat():
     passes = [
         _pass("cold", [(2.0, [1], 0), (9.0, [2], 0), (1.0, [3], 0)]),
-        _pass("cpu", [(0.5, [1], 32), (0.4, [2], 32), (0.1, [3], 32)]),
+        _pass("host", [(0.5, [1], 32), (0.4, [2], 32), (0.1, [3], 32)]),
         # the disk pass's second repeat differs from the cold pass over the same prompts
         _pass("disk", [(0.5, [1], 32), (8.0, [9], 0), (1.0, [3], 32)]),
     ]
@@ -108,7 +108,8 @@ def test_the_demo_reports_the_median_of_its_repeats_and_checks_every_repeat():
 def test_the_demo_table_says_how_many_runs_each_time_is(repeats, says):
     args = build_parser().parse_args(["demo", "--repeats", str(repeats)])
     result = PassResult("cold", "recompute", 1, 64, 0, 1.0, 1.0, True, [], [1.0] * repeats, 0)
-    runs = [{"engine_start_s": 1.0}, {"engine_start_s": 1.0}]
+    engine = {"vllm": "0.32.0", "device": "cpu"}
+    runs = [{"engine_start_s": 1.0, "engine": engine}, {"engine_start_s": 1.0, "engine": engine}]
     text = _table([result], args, 64, runs).render()
     assert says in text
     assert ("median s" in text) == (repeats > 1)
