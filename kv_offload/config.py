@@ -99,7 +99,7 @@ class OffloadConfig:
     blocks a prefill server promised in kv_transfer_params (then it loads what is there and
     recomputes the rest). The request waits in vLLM's queue holding no engine blocks; every
     other request keeps running."""
-    require_storage: bool = False
+    storage_required: bool = False
     """Stop the engine at start-up when its storage tier cannot be reached (a wrong host
     name, a store that is down), instead of starting with host memory only until it
     answers (the default, with a warning naming the tier)."""
@@ -219,7 +219,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         values["block_size"] = block
     if "eviction_policy" in extra:  # (the store's policies judge it: check_config)
         values["eviction_policy"] = extra["eviction_policy"]
-    for flag in ("fs_fsync", "layer_wise", "require_storage"):
+    for flag in ("fs_fsync", "layer_wise", "storage_required"):
         if flag in extra:
             if not isinstance(extra[flag], bool):
                 raise ConfigError(f"{flag} must be true or false, got {extra[flag]!r}")

@@ -82,7 +82,7 @@ def read_stored_generation(tier: StorageTier, codec: RecordCodec, fingerprint: s
             return StoredGeneration(None, unreachable=True)
         logger.warning("kv-offload: the storage tier (%s) cannot be reached at start-up "
                        "(%s): this engine runs with host memory only until it answers, then "
-                       "joins the key generation the others use (set require_storage to "
+                       "joins the key generation the others use (set storage_required to "
                        "stop instead)", tier.describe(), exc)
         return StoredGeneration(None, unreachable=True)
     out = bytearray(GENERATION_BYTES)

@@ -194,12 +194,12 @@ class TieredStore:
                     report_storage_copies=report_storage_copies,
                     probe_bytes=probe_bytes_for(config, len(canonical.group_refs)),
                     copy_timeout_s=config.copy_timeout_s)
-        if config.require_storage and store.generation_unsettled:
+        if config.storage_required and store.generation_unsettled:
             store.close()  # (start-up: the engine stops with the error)
             raise ConfigError(
-                f"require_storage is set and storage_tier {config.storage_tier!r} "
+                f"storage_required is set and storage_tier {config.storage_tier!r} "
                 f"({storage.describe()}) cannot be reached at start-up; start it, fix its "
-                f"address, or unset require_storage to start with host memory only until "
+                f"address, or unset storage_required to start with host memory only until "
                 f"it answers")
         return store
 

@@ -266,7 +266,7 @@ def test_an_engine_started_while_its_store_was_down_joins_the_fleet_once_it_is_b
         server.stop()
 
 
-def test_require_storage_stops_the_start_when_the_store_cannot_be_reached(tmp_path, caplog):
+def test_storage_required_stops_the_start_when_the_store_cannot_be_reached(tmp_path, caplog):
     """Without it a wrong host name started a healthy server with host memory only, said
     by one anonymous warning; with it the engine stops with the fix."""
     pytest.importorskip("redis")
@@ -281,6 +281,6 @@ def test_require_storage_stops_the_start_when_the_store_cannot_be_reached(tmp_pa
     started.close()
     assert any("cannot be reached at start-up" in r.getMessage() and
                "redis://127.0.0.1:1/0" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ConfigError, match="require_storage is set and storage_tier 'valkey'"):
-        TieredStore.from_config(canonical, parse_config({**extra, "require_storage": True}),
+    with pytest.raises(ConfigError, match="storage_required is set and storage_tier 'valkey'"):
+        TieredStore.from_config(canonical, parse_config({**extra, "storage_required": True}),
                                 fingerprint)
