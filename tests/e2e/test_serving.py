@@ -167,15 +167,17 @@ def scenario(tiny_models, tmp_path_factory) -> Scenario:
         result.checks["record r1"] = serve_check(
             server.url, work, "record-r1", "--record", str(work / "r1.json"),
             "--prompts", str(CHECK_PROMPTS["r1"]), "--prompt-tokens", str(CHECK_TOKENS))
-        # Wait for r1's files, so that the files new after r2's run are exactly r2's.
-        r1_files = wait_for_files(fs_root, len(prompt_files) + CHECK_PROMPTS["r1"] * check_blocks)
+        # Wait for r1's files, so that the files new after r2's run are exactly r2's. (Each
+        # run also sends one throwaway prompt of the same length first: its "server flags".)
+        r1_files = wait_for_files(fs_root, len(prompt_files)
+                                  + (CHECK_PROMPTS["r1"] + 1) * check_blocks)
         result.checks["record r2"] = serve_check(
             server.url, work, "record-r2", "--record", str(work / "r2.json"),
             "--prompts", str(CHECK_PROMPTS["r2"]), "--prompt-tokens", str(CHECK_TOKENS))
         result.shutdowns["first"] = server.stop()  # flushes the write-through to disk
 
     result.tampered_files = sorted(disk_files(fs_root) - r1_files)
-    assert len(result.tampered_files) == CHECK_PROMPTS["r2"] * check_blocks, \
+    assert len(result.tampered_files) == (CHECK_PROMPTS["r2"] + 1) * check_blocks, \
         "r2's files could not be told apart"
     give_other_blocks_bytes(result.tampered_files, sorted(r1_files - prompt_files))
 
