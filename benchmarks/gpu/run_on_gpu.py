@@ -42,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import statistics
@@ -214,7 +215,8 @@ def step_preflight(step: Step) -> dict[str, Any]:
 
     import torch
 
-    found: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+    found: dict[str, Any] = {"python": sys.version.split()[0],
+                             "libc": " ".join(platform.libc_ver()), "torch": torch.__version__,
                              "torch_cuda": torch.version.cuda,
                              "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
