@@ -159,3 +159,12 @@ def test_a_step_past_its_bound_is_killed_and_the_next_steps_say_why_they_did_not
                                                "reason": "the preflight did not pass"}
     assert results["summary"]["status"] == {"preflight": "timed_out", "correctness": "skipped"}
     assert (out / "run.log").exists()
+
+
+def test_a_step_with_under_half_its_bound_left_of_the_budget_is_skipped(tmp_path):
+    out = tmp_path / "out"
+    proc = _run("run_on_gpu.py", "--device", "cpu", "--tiny", "--out", out,
+                "--budget-s", "10", "--steps", "preflight")
+    assert proc.returncode == 0, proc.stderr  # (skipped is not failed)
+    step = json.loads((out / "results.json").read_text())["steps"]["preflight"]
+    assert step["status"] == "skipped" and "under half its bound (120 s)" in step["reason"]
