@@ -116,6 +116,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="baseline: the same passes without KVOffloadConnector")
     parser.add_argument("--json", metavar="PATH", type=output_path,
                         help="also write the results to this file ('-': stdout)")
+    parser.add_argument("--attention-backend", metavar="NAME",
+                        help="vLLM's attention backend (e.g. TRITON_ATTN on a GPU whose vLLM "
+                             "build lacks its default one; default: vLLM's choice)")
 
 
 def _model_name(text: str) -> str:
@@ -192,6 +195,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "max_tokens": args.max_tokens,
             "max_model_len": _round_up(prompt_tokens + args.max_tokens + 1, ENGINE_BLOCK_SIZE),
             "kv_transfer_config": transfer,
+            "attention_backend": args.attention_backend,
         }
         progress.step("engine process 1: cold and host passes")
         first = _run_child({**spec, "passes": ["cold", "host"]}, work / "engine1")
@@ -329,6 +333,8 @@ def child_main(spec_path: Path) -> int:
         dtype="bfloat16",
         seed=0,
         kv_transfer_config=spec["kv_transfer_config"],
+        **({"attention_config": {"backend": spec["attention_backend"]}}
+           if spec.get("attention_backend") else {}),
     )
     engine_start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)

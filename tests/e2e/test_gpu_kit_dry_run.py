@@ -55,16 +55,16 @@ def test_every_dry_run_step_passes_on_the_cpu_platform(dry_run):
     assert "===== step side_by_side" in (out / "run.log").read_text()
 
 
-def test_host_and_disk_tiers_give_the_cold_tokens_with_full_hits(dry_run):
-    correctness = dry_run[0]["steps"]["correctness"]["result"]
+def test_the_demo_gives_the_cold_tokens_from_host_and_disk_with_full_hits(dry_run):
+    correctness = dry_run[0]["steps"]["correctness"]["result"]  # (kv-offload demo's own)
+    assert correctness["demo_exit"] == 0
+    assert correctness["engine"]["device"] == "cpu"
     assert correctness["cold_cached_tokens"] == [0, 0]
     for tier in ("host", "disk"):
         found = correctness[tier]
         assert found["same_tokens"] is True and found["full_hits"] is True
-        assert found["cached_tokens"] == found["full_hit_tokens"] == [
-            cacheable_prefix(300), cacheable_prefix(170)]
-        # vLLM's own counter says which tier served them
-        assert [set(h) for h in found["hits_by_source"]] == [{tier}, {tier}]
+        assert found["cached_tokens"] == found["full_hit_tokens"]
+        assert all(n >= cacheable_prefix(300) for n in found["cached_tokens"])
     assert dry_run[0]["summary"]["correctness"] == {
         "host": {"same_tokens": True, "full_hits": True},
         "disk": {"same_tokens": True, "full_hits": True}}
