@@ -119,6 +119,11 @@ class TierStats:
         """A counter by name (0 if it never happened), e.g. ``stats["write_failed"]``."""
         return self.counts.get(name, 0)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether the tier counted ``name`` at all. (Without it, ``in`` would probe
+        ``stats[0]``, ``stats[1]``... for ever: every missing name reads as 0.)"""
+        return name in self.counts
+
 
 class StorageTier(ABC):
     """A secondary tier that stores host buffers under opaque byte keys.

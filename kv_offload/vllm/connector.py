@@ -134,11 +134,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         model = self._configs[0].model_config.model
         require_identity(weights, model, self._storage_tier)
         engine = fingerprint_extra(*self._configs, self._groups, self._worker.rank, weights)
-        logger.info("kv-offload rank %d: %s", self._worker.rank,
-                    weights.describe() if weights else f"model {model!r} keyed by name "
-                    f"(host memory only)")
+        identity = weights.describe() if weights else \
+            f"model {model!r} keyed by name (host memory only)"
         self._worker.register(kv_caches, self._groups, self._num_blocks,
-                              engine.shape, engine.share)
+                              engine.shape, engine.share, identity=identity)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Runs at the start of every step, before any forward: stores still reading blocks

@@ -136,8 +136,7 @@ def test_each_ranks_start_up_line_reaches_the_engines_log_in_vllms_format(runs, 
     assert re.match(r"^(\(\w+ pid=\d+\) )?INFO \d\d-\d\d [\d:]+ \[offload_worker\.py:\d+\] "
                     r"kv-offload rank 0: host tier", line), line
     assert "storage tier: filesystem" in line and "records unauthenticated" in line
-    assert any("kv-offload rank 0: weights identified by content" in ln
-               for ln in log.splitlines())
+    assert "; weights identified by content" in line  # (one line says all a rank set up)
 
 
 @pytest.mark.parametrize("model", MODELS)

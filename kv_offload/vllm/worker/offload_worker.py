@@ -136,11 +136,12 @@ class OffloadWorker:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], groups: list[KVCacheGroup],
                  num_blocks: int, fingerprint_extra: str | None = None,
-                 tp_share: TPShare | None = None) -> None:
+                 tp_share: TPShare | None = None, identity: str | None = None) -> None:
         """Canonicalise the engine's caches and open the tiers (errors here are start-up
         configuration errors and do raise). ``fingerprint_extra`` and ``tp_share``, where
         given, replace the constructor's: the connector knows them only now, once the
-        weights are identified."""
+        weights are identified. ``identity`` (what the weights were identified by) ends the
+        rank's start-up line."""
         if fingerprint_extra is not None:
             self.fingerprint_extra, self.tp_share = fingerprint_extra, tp_share
         self.canonical = canonicalize(kv_caches, groups, num_blocks)
@@ -154,7 +155,8 @@ class OffloadWorker:
             copies = self.layers.setup(self.config.layer_wise, self.canonical,
                                        [group.spec for group in groups],
                                        self.store.cpu.layer_copier)
-            logger.info("kv-offload rank %d: %s; %s", self.rank, self.store.describe(), copies)
+            logger.info("kv-offload rank %d: %s; %s%s", self.rank, self.store.describe(),
+                        copies, f"; {identity}" if identity else "")
             self._pump = Pump(self._pump_round, lambda: self._loads_in_flight,
                               lambda: bool(self._jobs) or self.store.busy(),
                               f"kv-offload-pump-{self.rank}")

@@ -216,3 +216,11 @@ def test_tiered_store_serves_a_new_process_from_the_shared_tier(request, backend
     assert torch.equal(block_bytes(canonical, 0, 6), expected[0, 1])
     assert torch.equal(block_bytes(canonical, 1, 7), expected[1, 2])
     second.close()
+
+
+def test_asking_tier_stats_whether_they_counted_a_name_answers_at_once():
+    from kv_offload.backends.base import TierStats
+
+    stats = TierStats(counts={"write_failed": 2})
+    assert "write_failed" in stats and "read_failed" not in stats  # (it looped for ever)
+    assert stats["read_failed"] == 0 and stats["write_failed"] == 2
