@@ -183,7 +183,7 @@ class TieredStore:
         from kv_offload.backends.common.sealing import make_codec
         from kv_offload.store.tp.tier import TPRecordTier
 
-        codec = make_codec(config.secret_file, config.encrypt)
+        codec = make_codec(config.secret_file, config.encrypt, config.compression)
         if records is not None:
             fingerprint = records.fingerprint
         storage = make_storage_tier(config, fingerprint, codec)  # (storage_tier, or fs_*)
