@@ -126,6 +126,7 @@ class TieredStore:
             tiers.generation = stored.generation or new_generation()
             self.generation_unsettled = stored.unreachable
         self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
+        self._written_seen = (0, 0)  # its page_bytes_written and record_bytes_written
 
     # The tiers' parts, by the names callers and the metrics read them by (one source of
     # truth: the parts read `Tiers`, so a storage tier plugged in here reaches them too).
@@ -301,6 +302,14 @@ class TieredStore:
         total = usage.storage["rejected_records"]
         new, self._rejected_seen = max(0, total - self._rejected_seen), total
         return new
+
+    def take_written(self, usage: TierUsage) -> tuple[int, int]:
+        """(page bytes, record bytes) the storage tier stored since the last call, from a
+        `usage()` snapshot (the tier counts them since it started)."""
+        counts = usage.storage.counts
+        totals = (counts.get("page_bytes_written", 0), counts.get("record_bytes_written", 0))
+        seen, self._written_seen = self._written_seen, totals
+        return max(0, totals[0] - seen[0]), max(0, totals[1] - seen[1])
 
     def take_key_failures(self) -> dict[Direction, int]:
         """Storage keys whose read or write failed since the last call (for metrics)."""

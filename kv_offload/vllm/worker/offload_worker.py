@@ -496,10 +496,12 @@ class OffloadWorker:
             usage = self.store.usage()
             tier_faults = self.store.take_fault_counts()
             failed, rejected = self.store.take_key_failures(), self.store.take_rejected(usage)
+            written = self.store.take_written(usage)
         faults = self.faults.take_counts()
         self._stats.record_faults(worker=sum(faults.values()) + sum(tier_faults.values()))
         self._stats.record_storage_failures(failed.get(Direction.LOAD, 0),
                                             failed.get(Direction.STORE, 0), rejected)
+        self._stats.record_storage_writes(*written)
         self._stats.set_usage(usage.host_bytes_used, usage.host_bytes_total,
                               usage.storage.bytes_used, usage.storage.bytes_budget,
                               rank=self.rank)
