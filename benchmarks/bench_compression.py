@@ -8,8 +8,12 @@ and decompresses every page on one thread (blosc2 with ``nthreads=1``): GB/s are
 page per second per core, medians over ``--repeats`` runs; the ratio is stored bytes over
 page bytes (lower is better). Every round trip is checked byte for byte.
 
-The fp8 rows are the same bf16 pages cast to float8_e4m3fn (vLLM 0.32's CPU backend has no
-fp8 KV cache, so no engine run writes fp8 pages here): a stand-in, said as such in the table.
+The fp8 rows come from a second engine run with ``kv_cache_dtype="fp8"`` (vLLM 0.32's CPU
+attention keeps an fp8 e4m3 cache on x86 with AVX-512 or AMX), without the connector, which
+refuses quantised caches: its written blocks are read from the workers' caches (one layer's
+block per page; ``--fp8-pages`` reuses a saved ``.npy``). Each table also runs blosc2's bit
+shuffle at the other value width (``typesize``), to show what a codec tuned for one dtype
+does to the other.
 
 Why these codecs: a bf16 value's high byte (sign and exponent) takes few values, its low
 byte (mantissa) is close to random. A byte-plane split (all high bytes, then all low bytes)
@@ -57,6 +61,40 @@ del llm
 """
 
 
+FP8_CHILD = r"""
+import json, sys
+import numpy as np
+from vllm import LLM, SamplingParams
+from kv_offload.testing.tiny_vocab import word_prompt
+spec = json.loads(sys.argv[1])
+llm = LLM(model=spec["model"], block_size=32, max_model_len=2048, enforce_eager=True,
+          dtype="bfloat16", seed=0, enable_prefix_caching=True, kv_cache_dtype="fp8",
+          kv_cache_memory_bytes=256 << 20)
+prompts = [word_prompt(spec["tokens"], offset=97 * i) for i in range(spec["prompts"])]
+llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+
+def written_pages(worker):
+    pages = []
+    for cache in worker.model_runner.kv_caches:  # (uint8 [blocks, heads, tokens, K|V])
+        for block in cache.view(-1, cache[0].numel()):
+            if block.any():
+                pages.append(block.numpy().copy())
+    return pages[: spec["limit"]]
+
+np.save(spec["out"], np.stack(llm.collective_rpc(written_pages)[0]))
+"""
+
+
+def collect_fp8_pages(model: str, out: str, tokens: int, prompts: int, limit: int) -> None:
+    """Run the vLLM CPU engine with an fp8 KV cache (no connector: kv-offload refuses
+    quantised caches today) and save the written blocks of its layers' caches to ``out``."""
+    spec = json.dumps({"model": model, "out": out, "tokens": tokens, "prompts": prompts,
+                       "limit": limit})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    subprocess.run([sys.executable, "-c", FP8_CHILD, spec], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
+
+
 def collect_pages(model: str, root: str, tokens: int, prompts: int) -> None:
     """Run the vLLM CPU engine over ``prompts`` prompts with the disk tier at ``root``."""
     spec = json.dumps({"model": model, "root": root, "tokens": tokens, "prompts": prompts})
@@ -90,6 +128,7 @@ def join_planes(planes: bytes, typesize: int) -> bytes:
 
 
 def codecs(typesize: int) -> dict[str, tuple[Callable, Callable]]:
+    other = 3 - typesize  # (2 for fp8, 1 for bf16)
     """name -> (compress(page) -> bytes, decompress(payload, n) -> bytes)."""
     import blosc2
     import lz4.block
@@ -98,7 +137,7 @@ def codecs(typesize: int) -> dict[str, tuple[Callable, Callable]]:
     blosc2.set_nthreads(1)
     zc, zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
 
-    def blosc(codec, filt, clevel=1):
+    def blosc(codec, filt, clevel=1, typesize=typesize):
         def c(page):
             return blosc2.compress2(page, typesize=typesize, clevel=clevel, codec=codec,
                                     filters=[filt], nthreads=1)
@@ -115,6 +154,8 @@ def codecs(typesize: int) -> dict[str, tuple[Callable, Callable]]:
         "blosc2 shuffle+zstd-1": blosc(blosc2.Codec.ZSTD, blosc2.Filter.SHUFFLE),
         "blosc2 shuffle+lz4": blosc(blosc2.Codec.LZ4, blosc2.Filter.SHUFFLE, clevel=5),
         "blosc2 bitshuffle+lz4": blosc(blosc2.Codec.LZ4, blosc2.Filter.BITSHUFFLE, clevel=5),
+        f"  (same, typesize {other})": blosc(blosc2.Codec.LZ4, blosc2.Filter.BITSHUFFLE,
+                                             clevel=5, typesize=other),
     }
 
 
@@ -146,27 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory: run the vLLM CPU engine for pages")
     parser.add_argument("--pages-dir", help="a disk tier directory already holding records")
+    parser.add_argument("--fp8-pages", help="an .npy of fp8 pages a previous run saved")
     parser.add_argument("--prompt-tokens", type=int, default=1536)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-pages", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if not (args.model or args.pages_dir):
-        parser.error("give --model (run the engine) or --pages-dir (reuse its records)")
+    if not (args.model or (args.pages_dir and args.fp8_pages)):
+        parser.error("give --model (run the engine), or --pages-dir and --fp8-pages (reuse "
+                     "what a run saved)")
     with tempfile.TemporaryDirectory(prefix="kvo-compression-") as tmp:
-        root = args.pages_dir or tmp
+        root = args.pages_dir or os.path.join(tmp, "bf16")
+        fp8_path = args.fp8_pages or os.path.join(tmp, "fp8.npy")
         if args.model:
             collect_pages(args.model, root, args.prompt_tokens, args.prompts)
-        pages = read_pages(root, args.max_pages)
-    import torch
-
-    bf16 = pages
-    fp8 = [torch.frombuffer(bytearray(p), dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-           .view(torch.uint8).numpy().tobytes() for p in pages]
-    results = {"pages": len(pages), "page_bytes": len(pages[0]), "tables": {}}
+            if not args.fp8_pages:
+                collect_fp8_pages(args.model, fp8_path, args.prompt_tokens, args.prompts,
+                                  args.max_pages)
+        bf16 = read_pages(root, args.max_pages)
+        fp8 = [row.tobytes() for row in np.load(fp8_path)]
+    results = {"tables": {}}
     for label, data, typesize in (("bf16 (engine pages)", bf16, 2),
-                                  ("fp8 e4m3 (bf16 pages cast)", fp8, 1)):
+                                  ("fp8 e4m3 (engine pages, kv_cache_dtype fp8)", fp8, 1)):
         rows = measure(data, typesize, args.repeats)
         results["tables"][label] = rows
         print(f"\n{label}: {len(data)} pages of {len(data[0])} bytes, "
