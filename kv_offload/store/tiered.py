@@ -285,6 +285,8 @@ class TieredStore:
                  "records authenticated (secret_file, " if codec.keyed else
                  "records unauthenticated (no secret_file: every writer of the store is "
                  "trusted, ") + codec.algo + ")"
+        if codec.compression is not None:
+            trust += f", compressed ({codec.compression.name})"
         return f"{host}; storage tier: {storage}; {trust}"
 
     def take_fault_counts(self) -> dict[str, int]:
