@@ -318,3 +318,27 @@ def test_a_corrupted_compressed_file_is_never_served_and_is_removed(tmp_path):
         assert tier.stats()["rejected_records"] == 1 and not os.path.exists(path)
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("example", ["llama-8b", "gemma3", "deepseek-mla", "qwen3-next"])
+def test_canonical_pages_of_vllm_allocated_models_round_trip_compressed(example):
+    """The pages a host slot holds for models allocated as vLLM 0.32 allocates them
+    (attention, sliding window, MLA latents, GatedDeltaNet states with their padded slots),
+    filled with bf16 Gaussians: compressed, and back bit for bit."""
+    import kv_offload as ko
+    from kv_offload.testing.example_models import build_example
+
+    model = build_example(example, num_blocks=2)
+    flat = model.buffer.view(-1)
+    flat[: flat.numel() // 2 * 2].view(torch.bfloat16).copy_(
+        torch.randn(flat.numel() // 2, generator=torch.Generator().manual_seed(3)))
+    canonical = ko.canonicalize(model.kv_caches, model.groups, model.num_blocks)
+    codec = Authenticated(SECRET).with_compression(LOSSLESS)
+    for refs in canonical.group_refs:
+        for ref in refs[:3]:
+            row = canonical.tensors[ref.tensor_idx].tensor[1]
+            page = row[ref.offset_bytes:ref.offset_bytes + ref.page_size_bytes].numpy().tobytes()
+            record = pack(KEY, FP, memoryview(page), align=4096, codec=codec)
+            assert len(record) < 0.9 * len(page), (example, ref.layer_name)
+            got, out = open_record(record, codec, len(page), align=4096)
+            assert got.ok and out == page, (example, ref.layer_name)
