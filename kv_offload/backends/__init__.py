@@ -122,7 +122,7 @@ def make_storage_tier(config: OffloadConfig, fingerprint: str,
     if choice is None:
         return None
     if codec is None:
-        codec = make_codec(config.secret_file, config.encrypt)
+        codec = make_codec(config.secret_file, config.encrypt, config.compression)
     cls = tier_class(choice.name)
     if choice.name in BUILTIN_TIERS:  # they write records themselves: given the codec
         return cls.from_options(choice.options, fingerprint, codec=codec)

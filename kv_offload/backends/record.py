@@ -24,6 +24,16 @@ record that verifies). With ``secret_file`` the tiers get a keyed codec instead
 the header's ``checksum`` field and whose records live under another namespace, so the two
 kinds never pass for each other. Every function below takes the codec (default: CHECKSUM).
 
+Compressed records (``compression``, ``kv_offload.backends.common.compression``): the header's
+``__metadata__`` also holds ``compression`` (the decoder) and ``uncompressed_bytes`` (the page
+size), the ``kv`` tensor covers the payload, and the codec seals the payload, bound to both
+fields (the digest of a compressed record does not verify as a plain one, nor with another page
+size). Such a header is padded to ``NETWORK_ALIGN`` whatever the tier: the payload is never
+read in place, so aligning it would only store padding; and a compressed record is always
+smaller than the plain record of its page, so a sized read (at most the plain record's bytes)
+receives it whole. Records without the two fields are read as before: a store may hold both
+kinds.
+
 Contents: ``pack`` and ``unpack_into`` (a whole record, for stores that hold values in one
 piece; ``pack_into``), ``build_header``, ``parse_header``, ``check_header``, ``names_match``,
 ``data_offset``, ``checksum``, ``layout_namespace``, ``RecordCodec``, ``CHECKSUM``,
@@ -32,12 +42,15 @@ piece; ``pack_into``), ``build_header``, ``parse_header``, ``check_header``, ``n
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import struct
 from dataclasses import dataclass
 
 import xxhash
+
+from kv_offload.backends.common.compression import DECODERS, Compression
 
 FORMAT_VERSION = "1"
 TENSOR_NAME = "kv"
@@ -59,6 +72,8 @@ class HeaderInfo:
     data_len: int
     checksum: str
     data_offset: int
+    compression: str | None = None  # the decoder of a compressed record's payload
+    uncompressed_bytes: int | None = None  # the page a compressed payload decodes to
 
 
 def checksum(data: memoryview | bytes) -> str:
@@ -88,6 +103,19 @@ class RecordCodec:
     are not trusted on their own either: a record of the right key whose header claims
     another size is deleted as bad (an unkeyed record of another size is kept: the
     caller's buffer is what is wrong)."""
+
+    compression: Compression | None = None
+    """Records written through this codec are compressed with it (None: never). Reads open
+    both kinds whatever it is. Set by ``with_compression``."""
+
+    def with_compression(self, compression: Compression | None) -> RecordCodec:
+        """This codec, writing records compressed with ``compression`` (a copy: the keys
+        are shared, never re-derived)."""
+        if compression is self.compression:
+            return self
+        twin = copy.copy(self)
+        twin.compression = compression
+        return twin
 
     def namespace(self, fingerprint: str) -> str:
         """Where this codec's records of one layout live (a directory name, a key prefix)."""
@@ -125,15 +153,18 @@ CHECKSUM = RecordCodec()
 
 
 def _header_json(key_hex: str, fingerprint: str, data_len: int, digest: str,
-                 algo: str) -> bytes:
+                 algo: str, compressed: tuple[str, int] | None = None) -> bytes:
+    meta = {
+        "format": "kv-offload",
+        "format_version": FORMAT_VERSION,
+        "layout_fingerprint": fingerprint,
+        "key": key_hex,
+        "checksum": f"{algo}:{digest}",
+    }
+    if compressed is not None:  # (safetensors metadata values are strings)
+        meta["compression"], meta["uncompressed_bytes"] = compressed[0], str(compressed[1])
     doc = {
-        "__metadata__": {
-            "format": "kv-offload",
-            "format_version": FORMAT_VERSION,
-            "layout_fingerprint": fingerprint,
-            "key": key_hex,
-            "checksum": f"{algo}:{digest}",
-        },
+        "__metadata__": meta,
         TENSOR_NAME: {"dtype": "U8", "shape": [data_len], "data_offsets": [0, data_len]},
     }
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -185,6 +216,9 @@ def parse_header(head: bytes | memoryview, *, align: int,
         data_len = tensor["shape"][0]
         algo, digest = meta["checksum"].split(":")
         bytes.fromhex(key_hex)  # (the check: a key is hex)
+        compressed = None
+        if "compression" in meta or "uncompressed_bytes" in meta:
+            compressed = (meta["compression"], int(meta["uncompressed_bytes"]))
     except RecursionError:  # JSON nested deeper than the parser's stack: not ours
         raise RecordFormatError("unreadable header: JSON nested too deeply") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
@@ -198,16 +232,25 @@ def parse_header(head: bytes | memoryview, *, align: int,
         or not isinstance(fingerprint, str)
     ):
         raise RecordFormatError("header fields have unexpected types or values")
-    expected = _rebuilt_header(key_hex, fingerprint, data_len, digest, align, codec)
+    if compressed is not None and (not isinstance(compressed[0], str)
+                                   or compressed[0] not in DECODERS or compressed[1] <= 0):
+        raise RecordFormatError(f"compressed with {compressed[0]!r} to "
+                                f"{compressed[1]} bytes: not a codec this version reads")
+    expected = _rebuilt_header(key_hex, fingerprint, data_len, digest, align, codec,
+                               compressed)
     if head != expected:
         raise RecordFormatError("header is not byte-identical to the one this format writes")
-    return HeaderInfo(key_hex, fingerprint, data_len, digest, len(expected))
+    if compressed is None:
+        return HeaderInfo(key_hex, fingerprint, data_len, digest, len(expected))
+    return HeaderInfo(key_hex, fingerprint, data_len, digest, len(expected), *compressed)
 
 
 def _rebuilt_header(key_hex: str, fingerprint: str, data_len: int, digest: str, align: int,
-                    codec: RecordCodec) -> bytes:
+                    codec: RecordCodec, compressed: tuple[str, int] | None = None) -> bytes:
     """The header the writer of these claimed fields would have written (names as given)."""
-    body = _header_json(key_hex, fingerprint, data_len, digest, codec.algo)
+    body = _header_json(key_hex, fingerprint, data_len, digest, codec.algo, compressed)
+    if compressed is not None:  # (never read in place: padded to the network alignment)
+        align = NETWORK_ALIGN
     body += b" " * (-(-(8 + len(body)) // align) * align - 8 - len(body))
     return struct.pack("<Q", len(body)) + body
 
@@ -297,7 +340,12 @@ class Unpacked:
 def pack(key: bytes, fingerprint: str, data: memoryview, *, align: int,
          codec: RecordCodec = CHECKSUM) -> bytes | bytearray:
     """A whole record: header then data (one copy of the data, into the returned bytes;
-    an encrypting codec writes its ciphertext there instead)."""
+    an encrypting codec writes its ciphertext there instead). A codec with ``compression``
+    writes the compressed record instead where that saves bytes (``pack_compressed``)."""
+    if codec.compression is not None:
+        record = pack_compressed(key, fingerprint, data, align=align, codec=codec)
+        if record is not None:
+            return record
     if not codec.encrypts:
         header = build_header(key, fingerprint, len(data), codec.seal(key, fingerprint, data),
                               align=align, codec=codec)
@@ -305,6 +353,41 @@ def pack(key: bytes, fingerprint: str, data: memoryview, *, align: int,
     record = bytearray(data_offset(key, fingerprint, len(data), align=align, codec=codec)
                        + len(data))
     pack_into(key, fingerprint, data, memoryview(record), align=align, codec=codec)
+    return record
+
+
+def _sealed_fingerprint(fingerprint: str, compressed: tuple[str, int]) -> str:
+    """What a compressed record's digest binds in place of the fingerprint: the layout and
+    both compression fields (so no header edit makes its payload verify as something else)."""
+    return f"{fingerprint}\0compression={compressed[0]}:{compressed[1]}"
+
+
+def pack_compressed(key: bytes, fingerprint: str, data: memoryview, *, align: int,
+                    codec: RecordCodec) -> bytearray | None:
+    """The compressed record of ``data`` (``codec.compression``), or None where it would not
+    be smaller than the plain record (``align``: the plain record's alignment)."""
+    assert codec.compression is not None
+    payload = codec.compression.compress(data)
+    if payload is None:
+        return None
+    compressed = (codec.compression.decoder, len(data))
+    key_hex, names_fingerprint = codec.header_names(key, fingerprint)
+    probe = _rebuilt_header(key_hex, names_fingerprint, len(payload), "0" * codec.digest_chars,
+                            NETWORK_ALIGN, codec, compressed)
+    if len(probe) + len(payload) >= data_offset(key, fingerprint, len(data), align=align,
+                                                codec=codec) + len(data):
+        return None  # (a sized read of the plain record's bytes must receive it whole)
+    record = bytearray(len(probe) + len(payload))
+    body = memoryview(record)[len(probe):]
+    sealed = _sealed_fingerprint(fingerprint, compressed)
+    if codec.encrypts:
+        digest = codec.seal(key, sealed, memoryview(payload), body)
+    else:
+        digest = codec.seal(key, sealed, memoryview(payload))
+        body[:] = payload
+    header = _rebuilt_header(key_hex, names_fingerprint, len(payload), digest, NETWORK_ALIGN,
+                             codec, compressed)
+    record[:len(header)] = header
     return record
 
 
@@ -332,6 +415,8 @@ def unpack_into(record: bytes | memoryview, key: bytes, fingerprint: str, out: m
     unkeyed or authenticating codec, and undefined after a failed decryption)."""
     n = len(out)
     digest = _judge_header(record, len(record), key, fingerprint, n, align, codec)
+    if isinstance(digest, HeaderInfo):
+        return _open_compressed(record, digest, key, fingerprint, out, codec)
     if isinstance(digest, Unpacked):
         return digest
     data = memoryview(record)[data_offset(key, fingerprint, n, align=align, codec=codec):]
@@ -350,6 +435,8 @@ def unpack_in_place(head: bytes | memoryview, key: bytes, fingerprint: str, data
     otherwise ``data`` may hold anything and nothing may be served from it."""
     n = len(data)
     digest = _judge_header(head, len(head) + n, key, fingerprint, n, align, codec)
+    if isinstance(digest, HeaderInfo):  # (the size of a plain record, yet compressed)
+        return Unpacked(bad="a compressed record padded to a plain record's size")
     if isinstance(digest, Unpacked):
         return digest
     if len(head) != data_offset(key, fingerprint, n, align=align, codec=codec):
@@ -360,9 +447,11 @@ def unpack_in_place(head: bytes | memoryview, key: bytes, fingerprint: str, data
 
 
 def _judge_header(head: bytes | memoryview, record_len: int, key: bytes, fingerprint: str,
-                  n: int, align: int, codec: RecordCodec) -> str | Unpacked:
-    """The digest the header promises for ``n`` data bytes of this key and layout, or why
-    the record (``record_len`` bytes in all) cannot be served (``Unpacked``)."""
+                  n: int, align: int, codec: RecordCodec) -> str | HeaderInfo | Unpacked:
+    """The digest the header promises for ``n`` data bytes of this key and layout; or the
+    header of this key's compressed record of that page (``HeaderInfo``: its payload is
+    still to verify); or why the record (``record_len`` bytes in all) cannot be served
+    (``Unpacked``)."""
     try:
         return check_header(head, key, fingerprint, n, align=align, codec=codec)
     except RecordFormatError as e:
@@ -370,6 +459,31 @@ def _judge_header(head: bytes | memoryview, record_len: int, key: bytes, fingerp
             info = parse_header(head, align=align, codec=codec)
         except RecordFormatError:
             return Unpacked(bad=str(e))
-        intact = (not codec.keyed and names_match(info, key, fingerprint, codec)
-                  and record_len == info.data_offset + info.data_len)
-        return Unpacked(held_bytes=info.data_len) if intact else Unpacked(bad=str(e))
+        whole = names_match(info, key, fingerprint, codec) and \
+            record_len == info.data_offset + info.data_len
+        if info.compression is not None and whole and info.uncompressed_bytes == n:
+            return info
+        held = info.data_len if info.compression is None else info.uncompressed_bytes
+        intact = not codec.keyed and whole
+        return Unpacked(held_bytes=held) if intact else Unpacked(bad=str(e))
+
+
+def _open_compressed(record: bytes | memoryview, info: HeaderInfo, key: bytes,
+                     fingerprint: str, out: memoryview, codec: RecordCodec) -> Unpacked:
+    """Verify (decrypt) a compressed record's payload, then decode it into ``out``: served
+    only if it decodes to exactly ``len(out)`` bytes."""
+    assert info.compression is not None and info.uncompressed_bytes is not None
+    payload = memoryview(record)[info.data_offset:info.data_offset + info.data_len]
+    sealed = _sealed_fingerprint(fingerprint, (info.compression, info.uncompressed_bytes))
+    if codec.encrypts:  # (the record may be read-only bytes: decrypted into a copy)
+        plain = memoryview(bytearray(len(payload)))
+        opened = codec.open(key, sealed, info.checksum, payload, plain)
+        payload = plain
+    else:
+        opened = codec.open(key, sealed, info.checksum, payload)
+    if not opened:
+        return Unpacked(bad=f"{codec.algo} digest mismatch")
+    if not DECODERS[info.compression](payload, out):
+        return Unpacked(bad=f"{info.compression} payload does not decode to exactly "
+                            f"{len(out)} bytes")
+    return Unpacked(ok=True)

@@ -38,6 +38,15 @@ class TierUsage:
     storage: TierStats
 
 
+@dataclass(frozen=True)
+class StorageWrites:
+    """Bytes the storage tier stored over an interval: the pages, and the records it wrote
+    for them (headers included; smaller with ``compression``)."""
+
+    page_bytes: int
+    record_bytes: int
+
+
 @dataclass
 class Store:
     """A store: its engine blocks are copied into host slots a piece at a time, as host

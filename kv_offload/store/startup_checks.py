@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_offload.backends import check_storage_config, storage_choice, tier_class
+from kv_offload.backends.common.compression import make_compression
 from kv_offload.backends.common.sealing import check_crypto_available
 from kv_offload.config import OffloadConfig, format_size, parse_config, parse_size
 from kv_offload.errors import ConfigError
@@ -76,6 +77,7 @@ def check_config(config: OffloadConfig) -> None:
                           f"'package.module:ClassName', got {policy!r}")
     if config.secret_file is not None:
         check_crypto_available()
+    make_compression(config.compression)  # (a codec whose library is missing names its extra)
     check_storage_config(config)  # the tier's own options (it imports only the chosen tier)
     _check_shared_store_trust(config)
 

@@ -55,6 +55,7 @@ from kv_offload.store.jobs import (
     Probe,
     Read,
     StorageJob,
+    StorageWrites,
     StorePiece,
     TieredResult,
     TierUsage,
@@ -126,6 +127,7 @@ class TieredStore:
             tiers.generation = stored.generation or new_generation()
             self.generation_unsettled = stored.unreachable
         self._rejected_seen = 0  # the storage tier's rejected_records, as last reported
+        self._written_seen = (0, 0)  # its page_bytes_written and record_bytes_written
 
     # The tiers' parts, by the names callers and the metrics read them by (one source of
     # truth: the parts read `Tiers`, so a storage tier plugged in here reaches them too).
@@ -183,7 +185,7 @@ class TieredStore:
         from kv_offload.backends.common.sealing import make_codec
         from kv_offload.store.tp.tier import TPRecordTier
 
-        codec = make_codec(config.secret_file, config.encrypt)
+        codec = make_codec(config.secret_file, config.encrypt, config.compression)
         if records is not None:
             fingerprint = records.fingerprint
         storage = make_storage_tier(config, fingerprint, codec)  # (storage_tier, or fs_*)
@@ -284,6 +286,8 @@ class TieredStore:
                  "records authenticated (secret_file, " if codec.keyed else
                  "records unauthenticated (no secret_file: every writer of the store is "
                  "trusted, ") + codec.algo + ")"
+        if codec.compression is not None:
+            trust += f", compressed ({codec.compression.name})"
         return f"{host}; storage tier: {storage}; {trust}"
 
     def take_fault_counts(self) -> dict[str, int]:
@@ -301,6 +305,14 @@ class TieredStore:
         total = usage.storage["rejected_records"]
         new, self._rejected_seen = max(0, total - self._rejected_seen), total
         return new
+
+    def take_written(self, usage: TierUsage) -> StorageWrites:
+        """What the storage tier stored since the last call, from a `usage()` snapshot (the
+        tier counts it since it started)."""
+        counts = usage.storage.counts
+        totals = (counts.get("page_bytes_written", 0), counts.get("record_bytes_written", 0))
+        seen, self._written_seen = self._written_seen, totals
+        return StorageWrites(max(0, totals[0] - seen[0]), max(0, totals[1] - seen[1]))
 
     def take_key_failures(self) -> dict[Direction, int]:
         """Storage keys whose read or write failed since the last call (for metrics)."""

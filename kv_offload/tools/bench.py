@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from kv_offload.config import COMPRESSION_CHOICES
 from kv_offload.errors import BenchArgumentError, ConfigError
 from kv_offload.testing.engine_alloc import LAYOUTS
 from kv_offload.testing.example_models import EXAMPLE_MODELS
@@ -40,7 +41,7 @@ BUILTIN_TIERS = ("host", "filesystem", "valkey", "s3")
 # Old spellings, accepted with a note on stderr until 0.2: --backend NAME, and "cpu".
 OLD_TIER_NAMES = {"cpu": "host"}
 COMMON = ("repeats", "seed", "batch_mib", "page_kib", "json")
-TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes", "plot")
+TIER_FLAGS = ("fs_root", "total_mib", "connections", "record_modes", "compression", "plot")
 # The flags each tier honours besides COMMON; any other flag given is refused.
 HONOURED: dict[str, tuple[str, ...]] = {
     "host": ("model", "layers", "layout", "pattern", "device"),
@@ -106,6 +107,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run each built-in tier once per record mode, same cells, same "
                             "run: plain (no secret), auth (secret_file: HMAC tags), encrypt "
                             "(AES-GCM); rows 'TIER+auth', 'TIER+encrypt' (default: plain)")
+    tiers.add_argument("--compression", nargs="+", default=None, metavar="CODEC",
+                       choices=list(COMPRESSION_CHOICES),
+                       help="run each built-in tier once per compression setting, same "
+                            "cells, same run, over bf16 KV-like values (Gaussian) instead of "
+                            "random bytes: rows 'TIER' (off) and 'TIER+CODEC', with the bytes "
+                            "stored per page byte (choices: %(choices)s)")
     tiers.add_argument("--plot", default=None, metavar="PATH", type=plot_path,
                        help="also draw GB/s by value size and connections in this PNG "
                             "(needs the plots extra: matplotlib)")

@@ -39,7 +39,7 @@ def run_filesystem_bench(args: argparse.Namespace) -> dict:
     plan = plan_from_args(args, DEFAULT_PAGE_KIB, DEFAULT_CONNECTIONS, VALUES_PER_JOB)
     result = run_tier_bench(
         "filesystem", with_record_modes({"filesystem": BenchTier(filesystem_factory)},
-                                        args.record_modes), plan,
+                                        args.record_modes, args.compression), plan,
         baseline=RAW, baseline_note="raw sequential pwritev/preadv of one file, best of the "
                                     "value size and 64 MiB requests",
         raw=[RawMeasure(RAW, raw_disk)])

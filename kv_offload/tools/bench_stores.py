@@ -58,18 +58,31 @@ def plan_from_args(args: argparse.Namespace, page_kib: tuple[int, ...],
         total_bytes=int((args.total_mib or DEFAULT_TOTAL_MIB) * MIB),
         values_per_job=(lambda size: values_per_job) if batch is None
         else (lambda size: max(1, batch // size)),
-        repeats=args.repeats, seed=args.seed, work_root=args.fs_root or DEFAULT_FS_ROOT)
+        repeats=args.repeats, seed=args.seed, work_root=args.fs_root or DEFAULT_FS_ROOT,
+        kv_like=bool(getattr(args, "compression", None)))
 
 
-def with_record_modes(tiers: dict[str, BenchTier], modes: list[str] | None) -> dict:
-    """Each tier once per record mode (``--record-modes``): a factory given the codec."""
+def with_record_modes(tiers: dict[str, BenchTier], modes: list[str] | None,
+                      compressions: list[str] | None = None) -> dict:
+    """Each tier once per record mode (``--record-modes``) and compression setting
+    (``--compression``; "off" is always run first, the baseline of the others): a factory
+    given the codec."""
+    from kv_offload.backends.common.compression import OFF, make_compression
     from kv_offload.backends.common.sealing import Authenticated, Encrypted
 
     secret = secrets.token_bytes(32)  # (this run's own: nothing is kept)
     codecs = {"plain": CHECKSUM, "auth": Authenticated(secret), "encrypt": Encrypted(secret)}
-    return {name if mode == "plain" else f"{name}+{mode}":
-            BenchTier(functools.partial(tier.make, codec=codecs[mode]), tier.clear_after)
-            for name, tier in tiers.items() for mode in (modes or ["plain"])}
+    settings = [OFF, *(c for c in dict.fromkeys(compressions or []) if c != OFF)]
+    rows = {}
+    for name, tier in tiers.items():
+        for mode in modes or ["plain"]:
+            for setting in settings:
+                row = name + ("" if mode == "plain" else f"+{mode}") + \
+                    ("" if setting == OFF else f"+{setting}")
+                codec = codecs[mode].with_compression(make_compression(setting))
+                rows[row] = BenchTier(functools.partial(tier.make, codec=codec),
+                                      tier.clear_after)
+    return rows
 
 
 def filesystem_factory(conns: int, workdir: str,
@@ -100,8 +113,8 @@ def run_shared_store_bench(args: argparse.Namespace) -> dict:
         keep = args.tier == "valkey" and args.url is None
         tiers = {args.tier: BenchTier(make, clear_after=not keep),
                  "filesystem": BenchTier(filesystem_factory)}
-        if args.record_modes:
-            tiers = with_record_modes(tiers, args.record_modes)
+        if args.record_modes or args.compression:
+            tiers = with_record_modes(tiers, args.record_modes, args.compression)
         return run_tier_bench(
             args.tier, tiers, plan_from_args(args, DEFAULT_PAGE_KIB, connections,
                                                 VALUES_PER_JOB),

@@ -83,6 +83,7 @@ class BenchPlan:
     repeats: int = 3
     seed: int = 0
     work_root: str | None = None
+    kv_like: bool = False  # values of bf16 Gaussians (compressible as KV is), not random bytes
 
 
 @dataclass
@@ -104,6 +105,8 @@ class Cell:
     failed_keys: int
     # While measuring: per call (latency, seconds); in a reported cell: per repeat (throughput).
     samples: dict[str, list[float]]
+    page_bytes_written: int = 0  # the tier's stats over the stores of one repeat: the pages'
+    record_bytes_written: int = 0  # bytes, and what it stored for them (compressed or not)
 
 
 def run_tier_bench(subject: str, tiers: dict[str, BenchTier], plan: BenchPlan, *,
@@ -118,7 +121,7 @@ def run_tier_bench(subject: str, tiers: dict[str, BenchTier], plan: BenchPlan, *
     for size in plan.page_bytes:
         count = max(4, plan.total_bytes // size)
         per_job = plan.values_per_job(size)
-        source = _pool(size * count, seed=plan.seed * 1_000_003 + size)
+        source = _pool(size * count, seed=plan.seed * 1_000_003 + size, kv_like=plan.kv_like)
         target = _pool(size * count)
         for conns in plan.connections:
             runs: dict[str, list[Cell]] = {name: [] for name in [*tiers, *(m.name for m in raw)]}
@@ -163,13 +166,19 @@ def _best(runs: list[Cell]) -> Cell:
                  "load_gbps": [r.load_gbps for r in runs]})
 
 
-def _pool(nbytes: int, seed: int | None = None) -> torch.Tensor:
-    """A page-aligned host pool, as the CPU tier's (the filesystem tier then uses O_DIRECT)."""
+def _pool(nbytes: int, seed: int | None = None, kv_like: bool = False) -> torch.Tensor:
+    """A page-aligned host pool, as the CPU tier's (the filesystem tier then uses O_DIRECT);
+    ``kv_like``: bf16 values of a unit Gaussian, which compress about as real KV pages do
+    (benchmarks/bench_compression.py), instead of random bytes."""
     from kv_offload.backends.filesystem import aligned_host_buffer
 
     pool = aligned_host_buffer(nbytes)
     if seed is None:
         pool.fill_(0)  # touch every page before timing
+    elif kv_like:
+        gen = torch.Generator().manual_seed(seed)
+        pool[: nbytes // 2 * 2].view(torch.bfloat16).copy_(
+            torch.randn(nbytes // 2, generator=gen))
     else:
         pool.copy_(torch.from_numpy(np.random.default_rng(seed).integers(
             0, 256, nbytes, dtype=np.uint8)))
@@ -192,7 +201,11 @@ def _measure(name: str, tier: StorageTier, source: torch.Tensor, target: torch.T
     keys = [f"bench-{run_id}-{chunk}-{i}".encode() for i in range(count)]
     src = [source[i * chunk:(i + 1) * chunk] for i in range(count)]
     dst = [target[i * chunk:(i + 1) * chunk] for i in range(count)]
+    before = tier.stats().counts
     store_s, failed = _run_jobs(tier, tier.submit_write, keys, src, per_job)
+    after = tier.stats().counts
+    written = {k: after.get(k, 0) - before.get(k, 0)
+               for k in ("page_bytes_written", "record_bytes_written")}
     target.fill_(0)
     load_s, failed_loads = _run_jobs(tier, tier.submit_read, keys, dst, per_job)
     mismatches = sum(not torch.equal(s, d) for s, d in zip(src, dst))
@@ -212,7 +225,7 @@ def _measure(name: str, tier: StorageTier, source: torch.Tensor, target: torch.T
     return Cell(name, chunk / MIB, conns, count, per_job, total / store_s / 1e9,
                 total / load_s / 1e9, _pct(lookups, 50, 1e6), _pct(lookups, 99, 1e6),
                 _pct(loads, 50, 1e3), _pct(loads, 99, 1e3), mismatches, failed + failed_loads,
-                {"lookup": lookups, "load": loads})
+                {"lookup": lookups, "load": loads}, **written)
 
 
 def _run_jobs(tier: StorageTier, submit, keys, views, per_job: int) -> tuple[float, int]:
@@ -270,11 +283,14 @@ def tier_table(r: dict) -> Table:
     table = Table(f"kv-offload bench: tier={r['tier']} vs {r['baseline']}, same run, "
                   f"GB/s best of {r['repeats']}" + (f" ({r['note']})" if r["note"] else ""),
                   ("tier", "value MiB", "conns", "keys/job", "store GB/s", "load GB/s",
-                   "lookup p50 us", "lookup p99 us", "load p50 ms", "load p99 ms", "bad"))
+                   "lookup p50 us", "lookup p99 us", "load p50 ms", "load p99 ms",
+                   "stored/page", "bad"))
     for c in r["cells"]:
+        stored = c["record_bytes_written"] / c["page_bytes_written"] \
+            if c.get("page_bytes_written") else None
         table.add(c["tier"], f"{c['value_mib']:g}", c["connections"], c["values_per_job"],
                   c["store_gbps"], c["load_gbps"], c["lookup_p50_us"], c["lookup_p99_us"],
-                  c["load_p50_ms"], c["load_p99_ms"], c["mismatches"] + c["failed_keys"])
+                  c["load_p50_ms"], c["load_p99_ms"], stored, c["mismatches"] + c["failed_keys"])
     ratio = ", ".join(f"{d} {r[f'{d}_ratio']:.2f}x" for d in ("store", "load")
                       if r[f"{d}_ratio"] is not None)
     table.notes.append(f"{r['tier']} / baseline ({r['summary_at']}, best connection "

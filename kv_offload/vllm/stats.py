@@ -35,7 +35,7 @@ COUNTERS: tuple[str, ...] = (
     "store_jobs", "store_blocks", "store_bytes", "store_seconds", "store_failed_blocks",
     "store_skipped_blocks",
     "faults_scheduler", "faults_worker", "storage_read_failed_keys", "storage_write_failed_keys",
-    "storage_rejected_records",
+    "storage_rejected_records", "storage_page_bytes_written", "storage_record_bytes_written",
     "remote_promised_blocks", "remote_foreign",
     "remote_waits", "remote_wait_seconds", "remote_deadlines_missed",
     "find_waits", "find_wait_seconds", "find_deadlines_missed",
@@ -220,6 +220,13 @@ class KVOffloadStats(KVConnectorStats):
         self._add("storage_write_failed_keys", write_keys)
         self._add("storage_rejected_records", rejected_records)
 
+    def record_storage_writes(self, page_bytes: int, record_bytes: int) -> None:
+        """Bytes of the pages the storage tier stored, and of the records it stored for
+        them: their ratio is what ``compression`` saves (headers included)."""
+        _check_amounts(page_bytes=page_bytes, record_bytes=record_bytes)
+        self._add("storage_page_bytes_written", page_bytes)
+        self._add("storage_record_bytes_written", record_bytes)
+
     def set_usage(self, tier: str, used: int, total: int, *, servers_down: int = 0,
                   rank: int = 0) -> None:
         """Bytes used/budgeted in `tier`'s pool of `rank` (each rank owns its pools), and how
@@ -325,6 +332,10 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._add_counter("storage_rejected_records", "Stored records refused on read (bad "
                           "header, checksum or keyed tag: damaged, foreign, or written "
                           "without the shared secret); each was a miss and was removed.")
+        self._add_counter("storage_page_bytes_written", "Bytes of the pages the storage "
+                          "tier stored (before compression).")
+        self._add_counter("storage_record_bytes_written", "Bytes the storage tier stored "
+                          "for those pages: records, headers included (after compression).")
         self._add_counter("promised_blocks", "Blocks a prefill server stored for decode "
                           "servers and promised them in kv_transfer_params.")
         self._add_counter("waits", "Lookups that waited for blocks another engine stored: "
@@ -395,6 +406,8 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                       stats.count(f"storage_{op}_failed_keys"), op)
         self._inc("storage_rejected_records", engine_idx,
                   stats.count("storage_rejected_records"))
+        for short in ("storage_page_bytes_written", "storage_record_bytes_written"):
+            self._inc(short, engine_idx, stats.count(short))
         self._inc("promised_blocks", engine_idx, stats.count("remote_promised_blocks"))
         for kind in WAIT_KINDS:
             self._inc("waits", engine_idx, stats.count(f"{kind}_waits"), kind)

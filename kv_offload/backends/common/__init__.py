@@ -14,7 +14,8 @@ Contents (one module each):
 - keys held: ``index`` (the LRU key index under a byte budget), ``lru``, ``listing`` (what a
   scan found), ``changes`` (the change feed), ``server_keys`` (a shared store's keys);
 - records and buffers: ``sealing`` (keyed record codecs), ``sealed_tier`` (a plug-in behind
-  them), ``host_buffers`` (a host buffer as bytes);
+  them), ``compression`` (lossless codecs of record data), ``host_buffers`` (a host buffer
+  as bytes);
 - settings and tests: ``options`` (``storage_options`` declared and checked),
   ``local_process`` (a throwaway server on loopback).
 """

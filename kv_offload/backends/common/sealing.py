@@ -36,6 +36,7 @@ import os
 import struct
 from hashlib import sha256
 
+from kv_offload.backends.common.compression import OFF, make_compression
 from kv_offload.backends.record import CHECKSUM, FORMAT_VERSION, RecordCodec
 from kv_offload.errors import ConfigError
 from kv_offload.runtime.secret_file import read_secret
@@ -165,16 +166,19 @@ def _crypt_into(ctx, src: memoryview, dst: memoryview) -> None:
     dst[head:n] = ctx.update(bytes(src[head:n]))
 
 
-def make_codec(secret_file: str | None, encrypt: bool = False) -> RecordCodec:
-    """The codec of a config: CHECKSUM without a secret, else Authenticated or Encrypted."""
+def make_codec(secret_file: str | None, encrypt: bool = False,
+               compression: str = OFF) -> RecordCodec:
+    """The codec of a config: CHECKSUM without a secret, else Authenticated or Encrypted;
+    writing compressed records with ``compression`` (``backends.common.compression``)."""
     if secret_file is None:
         if encrypt:
             raise ConfigError("encrypt: true needs secret_file (the key is derived from the "
                               "shared secret)")
-        return CHECKSUM
+        return CHECKSUM.with_compression(make_compression(compression))
     check_crypto_available()
     secret = read_secret(secret_file)
-    return Encrypted(secret) if encrypt else Authenticated(secret)
+    codec = Encrypted(secret) if encrypt else Authenticated(secret)
+    return codec.with_compression(make_compression(compression))
 
 
 def check_crypto_available() -> None:

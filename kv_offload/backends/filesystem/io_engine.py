@@ -50,6 +50,11 @@ class FileSizeMismatch(Exception):
         self.actual = actual
 
 
+EMPTY_VALUE = torch.empty(0, dtype=torch.uint8)
+"""The value of a write whose whole record is its ``header`` (a compressed record): written
+buffered, since its length is no multiple of the O_DIRECT alignment."""
+
+
 def aligned_host_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor whose first byte is ``ALIGN``-aligned, as O_DIRECT needs.
 
@@ -164,7 +169,7 @@ class IOEngine:
         self._scratch = _Scratch()
 
     def _use_direct(self, buf: torch.Tensor) -> bool:
-        return self.direct and buf.data_ptr() % ALIGN == 0
+        return self.direct and buf.numel() > 0 and buf.data_ptr() % ALIGN == 0
 
     def _fall_back(self, e: OSError) -> bool:
         """After an EINVAL from O_DIRECT: switch to buffered I/O, tell the caller to retry."""

@@ -26,6 +26,7 @@ from kv_offload.backends.common.rejections import Rejections
 from kv_offload.backends.filesystem.config import FilesystemTierConfig
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
+    ALIGN,
     FileFormatError,
     check_header,
     data_offset,
@@ -40,6 +41,7 @@ from kv_offload.backends.filesystem.io_engine import (
     read_head,
     unlink_quietly,
 )
+from kv_offload.backends.record import unpack_into
 
 logger = logging.getLogger("kv_offload.backends.filesystem.tier")  # (the tier's log lines)
 
@@ -86,6 +88,9 @@ class FileReads:
         try:
             head = self._io.read(path, data_offset(key, fingerprint, buf.numel(), codec), buf)
         except FileSizeMismatch as e:
+            expected = data_offset(key, fingerprint, buf.numel(), codec) + buf.numel()
+            if e.actual < expected:  # a compressed record (or a plain one of another size)
+                return self._read_whole(key, path, buf, e.actual)
             return self._size_mismatch(key, path, buf.numel(), e.actual)
         except NotRegularFile as e:  # e.g. a FIFO planted under a key's name
             return self._discard(key, path, str(e))
@@ -96,13 +101,31 @@ class FileReads:
         # (verified, and decrypted when encrypting, in place in the host buffer)
         if not codec.open(key, fingerprint, expected_digest, host_view(buf)):
             return self._discard(key, path, f"{codec.algo} digest mismatch")
+        return self._served(key, path, len(head) + buf.numel())
+
+    def _read_whole(self, key: bytes, path: str, buf: torch.Tensor, size: int) -> bool:
+        """A file smaller than this key's plain record: read whole (at most ``size`` bytes,
+        fewer than the plain record's) and opened by the record layer, which decodes a
+        compressed record's verified payload into ``buf``, or says what else it is."""
+        record = read_head(path, size)
+        if len(record) != size:  # (changed under us: judged as what it is now)
+            return self._size_mismatch(key, path, buf.numel(), len(record))
+        got = unpack_into(record, key, self._config.layout_fingerprint, host_view(buf),
+                          align=ALIGN, codec=self._config.codec)
+        if got.bad is not None:
+            return self._discard(key, path, got.bad)
+        if not got.ok:
+            return self._size_mismatch(key, path, buf.numel(), size)
+        return self._served(key, path, size)
+
+    def _served(self, key: bytes, path: str, nbytes: int) -> bool:
         self._rejections.verified()
         self._index.touch(key)
         with contextlib.suppress(OSError):  # persist recency: a restart orders LRU by mtime
             os.utime(path)
         self._episodes.succeeded()
         self._count("read_ok")
-        self._count("bytes_read", n=len(head) + buf.numel())
+        self._count("bytes_read", n=nbytes)
         return True
 
     def _size_mismatch(self, key: bytes, path: str, wanted: int, actual: int) -> bool:

@@ -61,6 +61,7 @@ from kv_offload.backends.filesystem.config import FilesystemTierConfig, Filesyst
 from kv_offload.backends.filesystem.directory import make_private_dirs, prepare_layout_dir
 from kv_offload.backends.filesystem.episodes import FailureEpisodes
 from kv_offload.backends.filesystem.fileformat import (
+    ALIGN,
     build_header,
     data_offset,
     relative_path,
@@ -72,6 +73,7 @@ from kv_offload.backends.filesystem.generation_file import (
     write_generation_file,
 )
 from kv_offload.backends.filesystem.io_engine import (
+    EMPTY_VALUE,
     IOEngine,
     ValueScratch,
     aligned_host_buffer,
@@ -80,7 +82,7 @@ from kv_offload.backends.filesystem.io_engine import (
 from kv_offload.backends.filesystem.reads import FileReads
 from kv_offload.backends.filesystem.rescanner import Rescanner
 from kv_offload.backends.filesystem.root_budget import warn_if_larger_than_the_filesystem
-from kv_offload.backends.record import CHECKSUM, RecordCodec
+from kv_offload.backends.record import CHECKSUM, RecordCodec, pack_compressed
 from kv_offload.config import format_size
 from kv_offload.errors import TierClosedError
 from kv_offload.runtime.affinity import join_our_cpus
@@ -352,13 +354,18 @@ class FilesystemTier(StorageTier):
             if isinstance(value, Repack):  # packed here, into this thread's own buffer
                 buf = self._scratch.get(value.nbytes)
                 value.pack(buf)
-            stored = buf  # what goes to disk: the data, or its ciphertext
-            if codec.encrypts:
-                stored = aligned_host_buffer(buf.numel())
-            digest = codec.seal(key, self.config.layout_fingerprint, host_view(buf),
-                                host_view(stored) if codec.encrypts else None)
-            header = build_header(key, self.config.layout_fingerprint, buf.numel(), digest,
-                                  codec)
+            record = None if codec.compression is None else pack_compressed(
+                key, self.config.layout_fingerprint, host_view(buf), align=ALIGN, codec=codec)
+            if record is not None:  # (written buffered: a payload of any length)
+                header, stored, size = bytes(record), EMPTY_VALUE, len(record)
+            else:
+                stored = buf  # what goes to disk: the data, or its ciphertext
+                if codec.encrypts:
+                    stored = aligned_host_buffer(buf.numel())
+                digest = codec.seal(key, self.config.layout_fingerprint, host_view(buf),
+                                    host_view(stored) if codec.encrypts else None)
+                header = build_header(key, self.config.layout_fingerprint, buf.numel(),
+                                      digest, codec)
             final = self.file_path(key)
             for attempt in (0, 1):
                 temp = os.path.join(
@@ -389,6 +396,8 @@ class FilesystemTier(StorageTier):
             self._writes.succeeded()
             self._count("write_ok")
             self._count("bytes_written", n=size)
+            self._count("page_bytes_written", n=value_bytes(value))
+            self._count("record_bytes_written", n=size)
             self._delete(victims)  # only now that the new file has landed
 
 

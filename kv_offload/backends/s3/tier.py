@@ -305,8 +305,10 @@ class S3Tier(StorageTier):
             if not self._outage.should_try():
                 self._book.count("write_failed", "write_failed_unreachable")
                 return
-            sent = self._put(key, pack(key, self.config.layout_fingerprint, host_view(buf),
-                                       align=NETWORK_ALIGN, codec=self.config.codec))
+            record = pack(key, self.config.layout_fingerprint, host_view(buf),
+                          align=NETWORK_ALIGN, codec=self.config.codec)
+            size = len(record)  # (smaller than reserved when compressed)
+            sent = self._put(key, record)
             victims = self._index.commit(reservation, key, size, sent)
             ok = True
             self._outage.succeeded()
@@ -314,6 +316,8 @@ class S3Tier(StorageTier):
             if sent:
                 self._book.count("write_ok")
                 self._book.count("bytes_written", n=size)
+                self._book.count("page_bytes_written", n=buf.numel())
+                self._book.count("record_bytes_written", n=size)
             else:
                 self._book.count("write_skipped_present")
         except (BotoCoreError, ClientError, OSError) as e:
@@ -360,7 +364,11 @@ class S3Tier(StorageTier):
             body = read_body(reply, min(want, reply.get("ContentLength", want)))
             self._outage.succeeded()
             codec = self.config.codec
-            if held != want:  # only its start was read
+            if held < want and len(body) == held:  # smaller, read whole: compressed, or
+                # a plain record of another size (judged there)
+                got = unpack_into(body, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
+                                  codec=codec)
+            elif held != want:  # only its start was read
                 got = judge_wrong_size(body, held, key, fingerprint, buf.numel(), codec)
             else:
                 got = unpack_into(body, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,

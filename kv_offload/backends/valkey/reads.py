@@ -163,7 +163,12 @@ class ValkeyReads:
             self._book.count("read_failed", "read_failed_absent")
             return False
         fingerprint, codec = self._config.layout_fingerprint, self._config.codec
-        if held != expected_bytes(key, fingerprint, buf.numel(), codec):  # only its start read
+        if held < expected_bytes(key, fingerprint, buf.numel(), codec) and \
+                isinstance(value, bytes) and len(value) == held:  # smaller, received whole:
+            # a compressed record (or a plain one of another size: judged there)
+            got = unpack_into(value, key, fingerprint, host_view(buf), align=NETWORK_ALIGN,
+                              codec=codec)
+        elif held != expected_bytes(key, fingerprint, buf.numel(), codec):  # only its start
             got = judge_wrong_size(value, held, key, fingerprint, buf.numel(), codec)
         elif isinstance(value, InPlace):  # (the data is in buf already: checked there)
             got = unpack_in_place(value.head, key, fingerprint, host_view(buf),

@@ -356,10 +356,10 @@ class ValkeyTier(StorageTier):
             todo = [(item, name) for item, name, held in zip(batch, names, present) if not held]
             done += [i for (i, _), held in zip(batch, present) if held]
             self._book.count("write_skipped_present", n=len(done))
+            values = [self._encode(key, buf) for (_, (key, buf)), _ in todo]
             results = self._conn.pipelined(lambda pipe: [
-                pipe.set(name, self._encode(key, buf), nx=True)
-                for (_, (key, buf)), name in todo])
-            for ((i, (_, buf)), _), result in zip(todo, results):
+                pipe.set(name, value, nx=True) for (_, name), value in zip(todo, values)])
+            for ((i, (_, buf)), _), value, result in zip(todo, values, results):
                 if isinstance(result, Exception):  # e.g. OOM under maxmemory noeviction
                     self._book.count("write_failed", "write_failed_refused")
                     self._book.note("write-refused", "%s refused a write: %s",
@@ -368,6 +368,9 @@ class ValkeyTier(StorageTier):
                     done.append(i)
                     self._book.count("write_ok")
                     self._book.count("bytes_written", n=buf.numel())
+                    self._book.count("page_bytes_written", n=buf.numel())
+                    self._book.count("record_bytes_written", n=(
+                        value.nbytes if isinstance(value, SplitValue) else len(value)))
             outage.succeeded()
         except SERVER_ERRORS as e:
             outage.failed(e)
@@ -385,7 +388,8 @@ class ValkeyTier(StorageTier):
         """The value of ``key``: its record, sent from the host buffer without a copy."""
         data, fingerprint, codec = host_view(buf), self.config.layout_fingerprint, \
             self.config.codec
-        if self._packer is None or codec.encrypts:  # (ciphertext: one buffer either way)
+        if self._packer is None or codec.encrypts or codec.compression is not None:
+            # (ciphertext, a compressed payload: one buffer either way)
             return pack(key, fingerprint, data, align=NETWORK_ALIGN, codec=codec)
         header = build_header(key, fingerprint, len(data), codec.seal(key, fingerprint, data),
                               align=NETWORK_ALIGN, codec=codec)

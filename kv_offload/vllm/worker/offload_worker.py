@@ -501,10 +501,12 @@ class OffloadWorker:
             usage = self.store.usage()
             tier_faults = self.store.take_fault_counts()
             failed, rejected = self.store.take_key_failures(), self.store.take_rejected(usage)
+            written = self.store.take_written(usage)
         faults = self.faults.take_counts()
         self._stats.record_faults(worker=sum(faults.values()) + sum(tier_faults.values()))
         self._stats.record_storage_failures(failed.get(Direction.LOAD, 0),
                                             failed.get(Direction.STORE, 0), rejected)
+        self._stats.record_storage_writes(written.page_bytes, written.record_bytes)
         self._stats.set_usage(HOST, usage.host_bytes_used, usage.host_bytes_total,
                               rank=self.rank)
         if self._storage_label is not None:

@@ -85,3 +85,30 @@ def test_the_byte_check_counts_wrong_bytes(tmp_path):
     by_tier = {c["tier"]: c for c in result["cells"]}
     assert by_tier["dict"]["mismatches"] == 16 and by_tier["filesystem"]["mismatches"] == 0
     assert result["mismatches"] == 16
+
+
+@pytest.mark.parametrize("backend", ["filesystem", "valkey"])
+def test_cli_bench_compression_reports_bytes_stored_with_and_without_in_one_run(
+        backend, request, tmp_path, capsys):
+    pytest.importorskip("blosc2")
+    extra = []
+    if backend == "valkey":
+        pytest.importorskip("redis")
+        extra = ["--url", request.getfixturevalue("valkey_server").url]
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--tier", backend, *extra, "--compression", "lossless",
+                 "--page-kib", "256", "--connections", "2", "--total-mib", "2",
+                 "--repeats", "1", "--fs-root", str(tmp_path / "fs"), "--json", str(out)])
+    result = json.loads(out.read_text())["results"]
+    assert code == 0 and result["mismatches"] == 0 and result["failed_keys"] == 0
+    cells = {c["tier"]: c for c in result["cells"]}
+    plain, packed = cells[backend], cells[f"{backend}+lossless"]
+    assert plain["page_bytes_written"] == packed["page_bytes_written"] == 2 << 20
+    assert packed["record_bytes_written"] < 0.85 * plain["record_bytes_written"]
+    assert packed["store_gbps"] > 0 and packed["load_gbps"] > 0
+    assert "stored/page" in capsys.readouterr().out
+
+
+def test_compression_does_not_apply_to_the_host_tier(capsys):
+    assert main(["bench", "--tier", "host", "--compression", "lossless"]) == 2
+    assert "--compression does not apply to --tier host" in capsys.readouterr().err

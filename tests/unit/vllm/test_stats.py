@@ -35,6 +35,7 @@ def worker_stats(rank: int, load_bytes: int, host_used: int) -> KVOffloadStats:
     stats.set_usage("disk", 0, 0, rank=rank)
     stats.record_faults(worker=rank + 1)
     stats.record_storage_failures(read_keys=rank, write_keys=1, rejected_records=rank)
+    stats.record_storage_writes(page_bytes=4096 * rank, record_bytes=3000 * rank)
     return stats
 
 
@@ -346,3 +347,17 @@ def test_rejected_records_reach_their_prometheus_counter():
     metrics.observe(step.to_dict(), engine_idx=0)
     assert registry.get_sample_value("vllm:kv_offload_storage_rejected_records_total",
                                      {"model_name": "m", "engine": "0"}) == 4
+
+
+def test_storage_bytes_written_before_and_after_compression_reach_prometheus():
+    registry = CollectorRegistry()
+    metrics = build_prom_metrics(kv_vllm_config(), registry_metric_types(registry),
+                                 ["model_name", "engine"], {0: ["m", "0"]})
+    step = KVOffloadStats()
+    step.record_storage_writes(page_bytes=4096, record_bytes=3000)
+    metrics.observe(step.to_dict(), engine_idx=0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kv_offload_storage_page_bytes_written_total",
+                                     labels) == 4096
+    assert registry.get_sample_value("vllm:kv_offload_storage_record_bytes_written_total",
+                                     labels) == 3000

@@ -52,3 +52,21 @@ def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_
         line = next(r.getMessage() for r in caplog.records
                     if r.getMessage().startswith("kv-offload rank 0:"))
         assert f"{expected}; whole-step loads and stores" in line and "s" * 32 not in line
+
+
+def test_the_start_up_line_says_when_records_are_compressed(tmp_path, caplog):
+    pytest.importorskip("blosc2")
+    from kv_offload.config import OffloadConfig
+    from kv_offload.vllm.worker.offload_worker import OffloadWorker
+
+    worker = OffloadWorker(OffloadConfig(
+        cpu_bytes_to_use=1 << 20, storage_tier="filesystem",
+        storage_options={"root_dir": str(tmp_path / "kv"), "bytes_to_use": 64 << 20},
+        compression="lossless"), 0, "m")
+    engine = Engine()
+    with caplog.at_level(logging.INFO, logger="kv_offload"):
+        worker.register(engine.caches, engine.groups, 32)
+    worker.shutdown()
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("kv-offload rank 0:"))
+    assert "xxh3_64), compressed (blosc2-lz4); whole-step loads and stores" in line
