@@ -62,14 +62,6 @@ def _check_common(result: dict[str, Any]) -> None:
 
 
 @pytest.mark.e2e
-def test_demo_without_connector_recomputes_every_pass(cache_dir, tmp_path):
-    result = _run_demo(cache_dir, tmp_path, "--no-connector")
-    _check_common(result)
-    assert result["connector"] is False and result["kv_transfer_config"] is None
-    assert [p["cached_tokens"] for p in result["passes"]] == [0, 0, 0]
-
-
-@pytest.mark.e2e
 def test_demo_with_connector_serves_cpu_and_disk_passes(cache_dir, tmp_path):
     result = _run_demo(cache_dir, tmp_path)
     _check_common(result)

@@ -33,7 +33,10 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], P
     out = tmp_path_factory.mktemp("gpu_kit_dry_run")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in [str(REPO), os.environ.get("PYTHONPATH")] if p)}
+    # (correctness is `kv-offload demo` itself, whose CPU run tests/e2e/test_demo.py checks
+    # on the same code: not run twice in CI, which must stay under 30 minutes)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny",
+                           "--steps", "preflight,side_by_side",
                            "--prompt-tokens", str(PROMPT_TOKENS), "--out", str(out)],
                           cwd=out, env=env, capture_output=True, text=True, timeout=600)
     log = (out / "run.log").read_text() if (out / "run.log").exists() else ""
@@ -45,7 +48,7 @@ def test_every_dry_run_step_passes_on_the_cpu_platform(dry_run):
     results, out = dry_run
     assert results["device"] == "cpu" and results["tiny"] is True
     assert {k: v["status"] for k, v in results["steps"].items()} == {
-        "preflight": "passed", "correctness": "passed", "side_by_side": "passed"}
+        "preflight": "passed", "side_by_side": "passed"}
     preflight = results["steps"]["preflight"]["result"]
     assert preflight["platform"] == "CpuPlatform"
     assert preflight["kernels"]["module"] == "vllm._C"
@@ -53,21 +56,6 @@ def test_every_dry_run_step_passes_on_the_cpu_platform(dry_run):
     for step in results["steps"].values():
         assert 0 < step["wall_s"] <= step["bound_s"]
     assert "===== step side_by_side" in (out / "run.log").read_text()
-
-
-def test_the_demo_gives_the_cold_tokens_from_host_and_disk_with_full_hits(dry_run):
-    correctness = dry_run[0]["steps"]["correctness"]["result"]  # (kv-offload demo's own)
-    assert correctness["demo_exit"] == 0
-    assert correctness["engine"]["device"] == "cpu"
-    assert correctness["cold_cached_tokens"] == [0, 0]
-    for tier in ("host", "disk"):
-        found = correctness[tier]
-        assert found["same_tokens"] is True and found["full_hits"] is True
-        assert found["cached_tokens"] == found["full_hit_tokens"]
-        assert all(n >= cacheable_prefix(300) for n in found["cached_tokens"])
-    assert dry_run[0]["summary"]["correctness"] == {
-        "host": {"same_tokens": True, "full_hits": True},
-        "disk": {"same_tokens": True, "full_hits": True}}
 
 
 def test_side_by_side_times_every_source_and_records_the_native_connector(dry_run):

@@ -113,3 +113,11 @@ def test_the_demo_table_says_how_many_runs_each_time_is(repeats, says):
     text = _table([result], args, 64, runs).render()
     assert says in text
     assert ("median s" in text) == (repeats > 1)
+
+
+def test_the_demo_without_the_connector_labels_every_pass_a_recompute():
+    passes = [_pass(name, [(1.0, [1], 0)]) for name in ("cold", "host", "disk")]
+    results = _pass_results(passes, no_connector=True)
+    assert [r.source for r in results] == ["recompute", "recompute (no connector)",
+                                           "recompute (no connector)"]
+    assert [r.cached_tokens for r in results] == [0, 0, 0]
