@@ -29,9 +29,23 @@ def test_each_rank_logs_its_tiers_sizes_directory_and_policy_once(tmp_path, capl
                              "turned off (layer_wise: false)")
 
 
-def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_path, caplog):
+def start_up_line(root, caplog, **options) -> str:
+    """Rank 0's start-up line for a worker over a disk tier in ``root`` (and ``options``)."""
     from kv_offload.config import OffloadConfig
     from kv_offload.vllm.worker.offload_worker import OffloadWorker
+
+    worker = OffloadWorker(OffloadConfig(
+        cpu_bytes_to_use=1 << 20, storage_tier="filesystem",
+        storage_options={"root_dir": str(root), "bytes_to_use": 64 << 20}, **options), 0, "m")
+    engine = Engine()
+    with caplog.at_level(logging.INFO, logger="kv_offload"):
+        worker.register(engine.caches, engine.groups, 32)
+    worker.shutdown()
+    return next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("kv-offload rank 0:"))
+
+
+def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_path, caplog):
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
@@ -40,33 +54,12 @@ def test_the_start_up_line_says_when_records_are_authenticated_or_encrypted(tmp_
                               (True, "records encrypted and authenticated (secret_file, "
                                      "aes256gcm)")):
         caplog.clear()
-        worker = OffloadWorker(OffloadConfig(
-            cpu_bytes_to_use=1 << 20, storage_tier="filesystem",
-            storage_options={"root_dir": str(tmp_path / f"kv{encrypt}"),
-                             "bytes_to_use": 64 << 20},
-            secret_file=str(secret), encrypt=encrypt), 0, "m")
-        engine = Engine()
-        with caplog.at_level(logging.INFO, logger="kv_offload"):
-            worker.register(engine.caches, engine.groups, 32)
-        worker.shutdown()
-        line = next(r.getMessage() for r in caplog.records
-                    if r.getMessage().startswith("kv-offload rank 0:"))
+        line = start_up_line(tmp_path / f"kv{encrypt}", caplog, secret_file=str(secret),
+                             encrypt=encrypt)
         assert f"{expected}; whole-step loads and stores" in line and "s" * 32 not in line
 
 
 def test_the_start_up_line_says_when_records_are_compressed(tmp_path, caplog):
     pytest.importorskip("blosc2")
-    from kv_offload.config import OffloadConfig
-    from kv_offload.vllm.worker.offload_worker import OffloadWorker
-
-    worker = OffloadWorker(OffloadConfig(
-        cpu_bytes_to_use=1 << 20, storage_tier="filesystem",
-        storage_options={"root_dir": str(tmp_path / "kv"), "bytes_to_use": 64 << 20},
-        compression="lossless"), 0, "m")
-    engine = Engine()
-    with caplog.at_level(logging.INFO, logger="kv_offload"):
-        worker.register(engine.caches, engine.groups, 32)
-    worker.shutdown()
-    line = next(r.getMessage() for r in caplog.records
-                if r.getMessage().startswith("kv-offload rank 0:"))
+    line = start_up_line(tmp_path / "kv", caplog, compression="lossless")
     assert "xxh3_64), compressed (blosc2-lz4); whole-step loads and stores" in line
